@@ -1,0 +1,156 @@
+"""Every public exception of nn_handler, and the per-rank failure record.
+
+Configuration mistakes subclass :class:`ValueError`, execution failures
+subclass :class:`RuntimeError`, and everything subclasses
+:class:`NNHandlerError`, so callers can catch at the level they care about.
+This module imports nothing from the package (and nothing heavy at all) so
+that spawned workers can load it cheaply.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+__all__ = [
+    "NNHandlerError",
+    "LaunchEnvironmentError",
+    "DeviceError",
+    "RankFailure",
+    "ParallelExecutionError",
+    "WorkerDiedError",
+    "RankFailedError",
+]
+
+
+class NNHandlerError(Exception):
+    """Base class of every error raised by nn_handler."""
+
+
+class LaunchEnvironmentError(NNHandlerError, ValueError):
+    """The launcher's environment variables are missing, malformed or inconsistent."""
+
+
+class DeviceError(NNHandlerError, ValueError):
+    """A device specification names a device that does not exist or is not understood."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Render a process exit code the way a person reads it.
+
+    Example:
+        >>> describe_exit(-9)
+        'killed by signal SIGKILL'
+        >>> describe_exit(3)
+        'exit code 3'
+    """
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What went wrong on one rank (or worker); plain data that crosses process boundaries.
+
+    Attributes:
+        rank: The rank or worker index that failed.
+        device: The device the rank ran on, as a string (``"cuda:1"``, ``"cpu"``).
+        pid: The process id, when known.
+        exc_type: Qualified name of the exception type (``"ValueError"``), or
+            ``None`` when the process died without raising.
+        message: ``str()`` of the exception, or a description of the death.
+        traceback: The formatted remote traceback, or ``""``.
+        exitcode: The process exit code when it died (negative: a signal).
+    """
+
+    rank: int
+    device: str = "?"
+    pid: int | None = None
+    exc_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    exitcode: int | None = None
+
+    @property
+    def died(self) -> bool:
+        """True when the process ended without raising an exception."""
+        return self.exc_type is None
+
+    def headline(self, what: str = "call") -> str:
+        """One line saying what failed and where, e.g. ``"f failed on rank 1 (cpu, pid 42): ValueError: bad"``."""
+        where = f"rank {self.rank} ({self.device}" + (f", pid {self.pid})" if self.pid else ")")
+        if self.died:
+            return f"{what} died on {where}: {self.message or describe_exit(self.exitcode)}"
+        return f"{what} failed on {where}: {self.exc_type}: {self.message}"
+
+
+def _render(failures: tuple[RankFailure, ...], what: str) -> str:
+    # Root cause first: an exception raised by user code explains more than a
+    # worker that was torn down afterwards.
+    ordered = sorted(failures, key=lambda f: (f.died, f.rank))
+    lines = [ordered[0].headline(what)]
+    if len(ordered) > 1:
+        lines.append(f"{len(ordered)} ranks failed; in order of likely cause:")
+        lines.extend("  " + f.headline(what) for f in ordered)
+    for f in ordered:
+        if f.traceback:
+            lines.append(f"\n--- remote traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
+    return "\n".join(lines)
+
+
+class ParallelExecutionError(NNHandlerError, RuntimeError):
+    """A function run by a :class:`~nn_handler.ParallelExecutor` failed on one or more workers.
+
+    Attributes:
+        failures: One :class:`RankFailure` per failed worker, root cause first.
+        exceptions: The original exception objects by worker index (those that
+            could be rebuilt in this process).
+        function: The name of the function that was run.
+    """
+
+    def __init__(self, failures, exceptions=None, function: str = "call"):
+        self.failures = tuple(sorted(failures, key=lambda f: (f.died, f.rank)))
+        self.exceptions = dict(exceptions or {})
+        self.function = function
+        super().__init__(_render(self.failures, function))
+
+    def __reduce__(self):
+        # Exceptions with a custom __init__ do not unpickle by default; keep
+        # the records, drop the live exception objects.
+        return (type(self), (self.failures, {}, self.function))
+
+
+class WorkerDiedError(ParallelExecutionError):
+    """A worker process ended without raising (``os._exit``, a signal, the OOM killer)."""
+
+
+class RankFailedError(NNHandlerError, RuntimeError):
+    """Raised on every rank when a rank-restricted call failed on another rank.
+
+    Attributes:
+        function: Name of the decorated function.
+        failures: One :class:`RankFailure` per rank that raised.
+    """
+
+    def __init__(self, function: str, failures):
+        self.function = function
+        self.failures = tuple(sorted(failures, key=lambda f: f.rank))
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        first = self.failures[0]
+        msg = (
+            f"{function} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}: "
+            f"{first.exc_type}: {first.message}"
+        )
+        for f in self.failures:
+            if f.traceback:
+                msg += f"\n--- traceback of rank {f.rank} ---\n{f.traceback.rstrip()}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (RankFailedError, (self.function, self.failures))

@@ -1,0 +1,299 @@
+"""The distributed core: process-group setup, device resolution, rank helpers.
+
+Everything here decides at call time, from the launch environment and the
+process group as they are when called; importing this module has no effects.
+
+Example:
+    >>> from nn_handler.utils.ddp import initialize_ddp, cleanup_ddp
+    >>> distributed, rank, local_rank, world_size, device = initialize_ddp()
+    >>> (distributed, rank, world_size, device.type)  # a plain `python` run
+    (False, 0, 1, 'cpu')
+    >>> cleanup_ddp()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Mapping, Union
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DeviceError, LaunchEnvironmentError
+from ._env import LaunchEnv, detect_launch_env, missing_rendezvous_message
+
+__all__ = [
+    "initialize_ddp",
+    "resolve_device",
+    "should_use_distributed",
+    "get_rank",
+    "get_local_rank",
+    "get_world_size",
+    "is_distributed",
+    "is_main_process",
+    "barrier",
+    "cleanup_ddp",
+    "find_free_port",
+    "detect_launch_env",
+    "LaunchEnv",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=60)
+DeviceLike = Union[torch.device, str, int]
+_DEVICE_WORDS = ("cpu", "cuda", "gpu", "cuda:N", "mps", "auto")
+
+
+def _check_timeout(timeout) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def is_distributed() -> bool:
+    """True when a ``torch.distributed`` process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(environ: Mapping[str, str] | None = None) -> int:
+    """Global rank: from the process group if one exists, else from the launcher's environment, else 0."""
+    if is_distributed():
+        return dist.get_rank()
+    return detect_launch_env(environ).rank
+
+
+def get_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Number of processes: from the process group if one exists, else from the launcher's environment, else 1."""
+    if is_distributed():
+        return dist.get_world_size()
+    return detect_launch_env(environ).world_size
+
+
+def get_local_rank(environ: Mapping[str, str] | None = None) -> int:
+    """Rank within this node (the GPU index to use), from the launcher's environment; 0 when not launched."""
+    return detect_launch_env(environ).local_rank
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a plain single-process run)."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; does nothing without a process group."""
+    if is_distributed():
+        dist.barrier()
+
+
+def cleanup_ddp() -> None:
+    """Destroy the default process group. Calling it again, or without a group, is harmless."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for a local rendezvous).
+
+    Example:
+        >>> 0 < find_free_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def should_use_distributed(use_distributed_flag: bool | None = None) -> bool:
+    """Decide whether to run distributed.
+
+    Args:
+        use_distributed_flag: ``True`` to enable DDP when possible (a warning
+            says why not otherwise), ``False`` to disable it, ``None`` to
+            follow the environment: distributed when a process group exists
+            or a launcher started more than one process.
+
+    Example:
+        >>> should_use_distributed(False)
+        False
+    """
+    if use_distributed_flag is False:
+        return False
+    possible = is_distributed() or detect_launch_env().is_distributed
+    if use_distributed_flag and not possible:
+        warnings.warn(
+            "use_distributed=True but this process was not started by a launcher with more than one "
+            "process (torchrun, srun, mpirun) and no process group exists; running single-process",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return possible
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps and mps.is_available())
+
+
+def _fallback_to_cpu(asked: str) -> torch.device:
+    warnings.warn(
+        f"device {asked!r} was requested but CUDA is not available; falling back to CPU",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return torch.device("cpu")
+
+
+def _cuda_index(index: int, asked) -> torch.device:
+    count = _cuda_count()
+    if count == 0:
+        return _fallback_to_cpu(str(asked))
+    if not 0 <= index < count:
+        raise DeviceError(
+            f"device {asked!r} does not exist: this machine has {count} CUDA device"
+            f"{'s' if count != 1 else ''} (valid indices 0..{count - 1})"
+        )
+    return torch.device("cuda", index)
+
+
+def resolve_device(device: DeviceLike = "auto") -> torch.device:
+    """Turn a device specification into a ``torch.device`` that exists here.
+
+    Args:
+        device: A ``torch.device``, an int (GPU index) or a string: ``"cpu"``,
+            ``"cuda"``/``"gpu"`` (this rank's GPU, from the local rank),
+            ``"cuda:N"``, ``"mps"`` or ``"auto"`` (this rank's GPU, else MPS,
+            else CPU). Asking for CUDA or MPS where there is none falls back to
+            CPU with a ``RuntimeWarning``.
+
+    Raises:
+        DeviceError: An unknown string, or a GPU index that does not exist.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if isinstance(device, bool):
+        raise DeviceError(f"device must be a torch.device, an int or a string, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise DeviceError(f"GPU index must be >= 0, got {device}")
+        return _cuda_index(device, device)
+    if isinstance(device, torch.device):
+        spec = device
+    elif isinstance(device, str):
+        word = device.strip().lower()
+        if word == "auto":
+            if _cuda_count():
+                return _cuda_index(get_local_rank() % _cuda_count(), "auto")
+            return torch.device("mps") if _mps_available() else torch.device("cpu")
+        if word == "gpu":
+            word = "cuda"
+        try:
+            spec = torch.device(word)
+        except RuntimeError:
+            raise DeviceError(
+                f"unknown device {device!r}; use one of {', '.join(_DEVICE_WORDS)} or a torch.device"
+            ) from None
+    else:
+        raise DeviceError(f"device must be a torch.device, an int or a string, got {type(device).__name__}")
+
+    if spec.type == "cpu":
+        return torch.device("cpu")
+    if spec.type == "cuda":
+        return _cuda_index(get_local_rank() if spec.index is None else spec.index, str(device))
+    if spec.type == "mps":
+        return spec if _mps_available() else _fallback_to_cpu(str(device))
+    # Other backends (xpu, meta, ...) are passed through as torch understands them.
+    return spec
+
+
+def _rendezvous_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+    # Under torchrun the agent already hosts a TCPStore at MASTER_ADDR:PORT and
+    # keeps it across restarts; a restarted attempt would read the dead
+    # attempt's keys. A prefix per restart attempt keeps attempts apart.
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        world_size=None if env.uses_agent_store else env.world_size,
+        is_master=env.rank == 0 and not env.uses_agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"nn_handler/attempt{env.restart_count}", store)
+
+
+def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None = None):
+    """Set up the default process group from the launch environment, if there is one.
+
+    Reads torchrun, SLURM (``srun``), Open MPI (``mpirun``) and PMI/MPICH
+    variables. Picks ``nccl`` for CUDA devices and ``gloo`` otherwise, and
+    pins this process to the GPU of its local rank.
+
+    Args:
+        timeout: Collective timeout (``timedelta`` or seconds); 60 minutes by default.
+        backend: Force a backend (``"gloo"``, ``"nccl"``, ``"mpi"``).
+
+    Returns:
+        ``(distributed, rank, local_rank, world_size, device)`` on the first
+        call, or ``None`` when a process group already exists. A plain
+        ``python`` run gives ``(False, 0, 0, 1, device)``.
+
+    Raises:
+        LaunchEnvironmentError: Malformed or incomplete launch variables.
+        ValueError: A non-positive timeout.
+
+    Example:
+        >>> initialize_ddp()[0]  # not launched by torchrun/srun/mpirun
+        False
+    """
+    timeout = _check_timeout(timeout)
+    if is_distributed():
+        return None
+    env = detect_launch_env()
+    device = _device_for_local_rank(env.local_rank)
+    if not env.is_distributed:
+        return False, 0, 0, 1, device
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "mpi":
+        dist.init_process_group("mpi", timeout=timeout)
+    else:
+        if env.master_addr is None or env.master_port is None:
+            raise LaunchEnvironmentError(missing_rendezvous_message(env))
+        store = _rendezvous_store(env, timeout)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    log.info("rank %d/%d joined a %s group on %s (%s)", env.rank, env.world_size, backend, device, env.launcher)
+    return True, env.rank, env.local_rank, env.world_size, device
+
+
+def _device_for_local_rank(local_rank: int) -> torch.device:
+    count = _cuda_count()
+    if count == 0:
+        return torch.device("cpu")
+    if local_rank >= count:
+        raise DeviceError(
+            f"local rank {local_rank} has no GPU: this node has {count} CUDA device"
+            f"{'s' if count != 1 else ''}; start at most {count} processes per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+# The seed's names: aliases of the public functions.
+_should_use_distributed = should_use_distributed
+_resolve_device = resolve_device

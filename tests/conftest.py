@@ -1,0 +1,103 @@
+"""Shared fixtures: hygiene checks that every test leaves no process group,
+no launcher variables and no child process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import LAUNCH_VARS, REPO
+
+import pytest
+import torch
+
+_LAUNCH_VARS = LAUNCH_VARS
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    # multiprocessing starts one resource tracker per parent on first use and
+    # keeps it for the parent's lifetime; it is infrastructure, not a leak.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def live_children(pid: int | None = None) -> list[int]:
+    """Pids of living (non-zombie) direct children of ``pid`` (this process by default)."""
+    pid = os.getpid() if pid is None else pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == pid and state not in ("Z", "X") and not _is_resource_tracker(entry):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _hygiene(request):
+    before_env = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    before_children = set(live_children())
+    yield
+    import torch.distributed as dist
+
+    leaked_group = dist.is_available() and dist.is_initialized()
+    if leaked_group:
+        dist.destroy_process_group()
+    changed = {k for k in _LAUNCH_VARS if os.environ.get(k) != before_env[k]}
+    for k in changed:
+        if before_env[k] is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = before_env[k]
+    # Children may take a moment to be reaped after a kill.
+    deadline = time.monotonic() + 5
+    extra = set(live_children()) - before_children
+    while extra and time.monotonic() < deadline:
+        time.sleep(0.05)
+        extra = set(live_children()) - before_children
+    # Session-scoped pools (marked as such) are allowed to outlive a test.
+    extra -= set(getattr(request.config, "_nn_handler_session_pids", set()))
+    assert not leaked_group, "test left a torch.distributed process group behind"
+    assert not changed, f"test left launch variables changed: {sorted(changed)}"
+    assert not extra, f"test left child processes running: {sorted(extra)}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """Environment of a real single-node SLURM cluster (started via ../shared/tools/local-slurm.sh)."""
+    script = REPO.parent / "shared" / "tools" / "local-slurm.sh"
+    if not script.exists():
+        pytest.skip(f"no SLURM cluster script at {script}")
+    if os.geteuid() != 0:
+        pytest.skip("local-slurm.sh needs root")
+    proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.skip(f"local SLURM cluster did not start: {proc.stderr[-500:]}")
+    env = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.split("\n") if "=" in line)
+    if not shutil.which("srun"):
+        pytest.skip("srun not on PATH after starting the cluster")
+    return env

@@ -1,0 +1,49 @@
+"""Helpers for tests that launch real processes (importable: tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+               "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run a launcher command in its own process group; on timeout kill the whole group and fail."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in LAUNCH_VARS:  # the test process's own variables must not leak into the job
+        if env is None or name not in env:
+            full_env.pop(name, None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout}s; output:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the launcher left behind
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def parse_results(output: str) -> list[dict]:
+    """Rows printed as ``RESULT {json}`` by the launched scripts, sorted by rank."""
+    # Ranks share one stdout, so lines may interleave: match the flat JSON objects.
+    rows = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", output)]
+    return sorted(rows, key=lambda r: r.get("rank", 0))
+
+

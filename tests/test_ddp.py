@@ -1,0 +1,214 @@
+"""nn_handler.utils.ddp: device resolution, initialize_ddp and the rank helpers."""
+
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+
+import nn_handler.utils.ddp as ddp
+from nn_handler.errors import DeviceError, LaunchEnvironmentError
+from nn_handler.testing import run_distributed
+from nn_handler.utils.ddp import (
+    _resolve_device,
+    _should_use_distributed,
+    cleanup_ddp,
+    find_free_port,
+    initialize_ddp,
+    resolve_device,
+    should_use_distributed,
+)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Pretend two CUDA devices exist (nothing is allocated on them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_seed_aliases_are_the_public_functions():
+    assert _resolve_device is resolve_device
+    assert _should_use_distributed is should_use_distributed
+
+
+@pytest.mark.parametrize("spec", ["cpu", "CPU", torch.device("cpu")])
+def test_cpu(spec):
+    assert resolve_device(spec) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("cuda", "cuda:1"), ("gpu", "cuda:1"), ("auto", "cuda:1"), ("cuda:0", "cuda:0"), (0, "cuda:0"),
+     (torch.device("cuda"), "cuda:1"), (torch.device("cuda", 0), "cuda:0")],
+)
+def test_cuda_specs_use_the_local_rank(two_gpus, clean_env, spec, expected):
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    assert resolve_device(spec) == torch.device(expected)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "gpu", "cuda:1", 0, "mps"])
+def test_falls_back_to_cpu_with_one_warning(no_gpu, monkeypatch, spec):
+    monkeypatch.setattr(ddp, "_mps_available", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_device(spec) == torch.device("cpu")
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1 and "falling back to CPU" in str(runtime[0].message)
+
+
+def test_auto_without_gpu_is_quietly_cpu(no_gpu, monkeypatch):
+    monkeypatch.setattr(ddp, "_mps_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_missing_gpu_index_names_the_count(two_gpus):
+    with pytest.raises(DeviceError, match=r"cuda:7.*has 2 CUDA devices"):
+        resolve_device("cuda:7")
+    with pytest.raises(DeviceError, match=r"has 2 CUDA devices"):
+        resolve_device(5)
+
+
+@pytest.mark.parametrize("spec", ["tpu0", "cuda:x", "", "banana"])
+def test_unknown_device_string(spec):
+    with pytest.raises(DeviceError, match="unknown device") as info:
+        resolve_device(spec)
+    assert "cpu, cuda, gpu" in str(info.value)
+
+
+@pytest.mark.parametrize("spec", [-1, 1.5, None, True])
+def test_bad_device_types(spec):
+    with pytest.raises(DeviceError):
+        resolve_device(spec)
+
+
+def test_not_distributed_without_a_launcher(clean_env, no_gpu):
+    assert initialize_ddp() == (False, 0, 0, 1, torch.device("cpu"))
+    assert should_use_distributed(None) is False
+    with pytest.warns(RuntimeWarning, match="running single-process"):
+        assert should_use_distributed(True) is False
+    assert should_use_distributed(False) is False
+    assert ddp.get_rank() == 0 and ddp.get_world_size() == 1 and ddp.is_main_process()
+    ddp.barrier()  # no group: a no-op
+    cleanup_ddp()
+    cleanup_ddp()  # twice is harmless
+
+
+def test_should_use_distributed_follows_the_launcher(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "2")
+    assert should_use_distributed(None) is True
+    assert should_use_distributed(False) is False
+
+
+@pytest.mark.parametrize("timeout", [-1, timedelta(seconds=-5), 0])
+def test_non_positive_timeout(clean_env, timeout):
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        initialize_ddp(timeout=timeout)
+
+
+def test_world_size_without_master_variables(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvironmentError) as info:
+        initialize_ddp()
+    message = str(info.value)
+    assert "MASTER_ADDR and MASTER_PORT" in message and "torchrun" in message
+
+
+def test_rank_not_below_world_size(clean_env):
+    clean_env.setenv("RANK", "2")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvironmentError, match=r"RANK must be in \[0, 2\)"):
+        initialize_ddp()
+
+
+def test_non_integer_rank_variable(clean_env):
+    clean_env.setenv("RANK", "first")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvironmentError, match="RANK must be an integer, got 'first'"):
+        initialize_ddp()
+
+
+def test_local_rank_without_a_gpu_of_its_own(clean_env, two_gpus):
+    clean_env.setenv("RANK", "2")
+    clean_env.setenv("LOCAL_RANK", "2")
+    clean_env.setenv("WORLD_SIZE", "3")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", "1")
+    with pytest.raises(DeviceError, match="local rank 2 has no GPU: this node has 2 CUDA devices"):
+        initialize_ddp()
+
+
+def test_find_free_port_can_be_bound():
+    import socket
+
+    port = find_free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def _init_body(rank):
+    import torch
+    import torch.distributed as dist
+
+    from nn_handler.utils import ddp
+
+    first = ddp.initialize_ddp(timeout=30)
+    again = ddp.initialize_ddp()
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return first, again, int(t), ddp.get_rank(), ddp.get_world_size(), ddp.is_main_process(), dist.get_backend()
+
+
+def test_initialize_ddp_under_spawned_ranks():
+    results = run_distributed(_init_body, nprocs=2, init=False, timeout=90)
+    for rank, (first, again, total, r, ws, main, backend) in enumerate(results):
+        assert first == (True, rank, rank, 2, torch.device("cpu"))
+        assert again is None  # a group exists: nothing to do
+        assert total == 3 and r == rank and ws == 2 and main == (rank == 0)
+        assert backend == "gloo"
+
+
+def test_helper_reports_exceptions_per_rank():
+    def body(rank):
+        if rank == 1:
+            raise ValueError("boom on one")
+        return "fine"
+
+    results = run_distributed(body, nprocs=2, timeout=90)
+    assert results[0] == "fine"
+    assert isinstance(results[1], ValueError) and "boom on one" in str(results[1])
+    assert "raise ValueError" in results[1].remote_traceback
+
+
+def test_helper_names_ranks_that_hang_and_kills_them():
+    from nn_handler.testing import DistributedTimeoutError
+
+    def body(rank):
+        import time
+
+        if rank == 1:
+            time.sleep(600)
+        return rank
+
+    with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\] did not finish") as info:
+        run_distributed(body, nprocs=2, init=False, timeout=8)
+    assert info.value.unfinished == [1] and info.value.results[0] == 0
