@@ -7,6 +7,7 @@ Example:
 """
 
 from .errors import (
+    ConfigurationError,
     DeviceError,
     LaunchEnvironmentError,
     NNHandlerError,
@@ -26,6 +27,22 @@ from .utils.ddp import (
     is_main_process,
     resolve_device,
     should_use_distributed,
+)
+from .utils.parallel import (
+    MultiGPUConfig,
+    MultiGPUMode,
+    get_device_count,
+    get_gpu_memory_info,
+    get_gpu_stats,
+    get_recommended_batch_size,
+    is_parallel_available,
+    parallelize_if_available,
+    prepare_dataloader,
+    prepare_model,
+    print_gpu_memory_info,
+    resolve_parallel_mode,
+    setup_parallel_model,
+    unwrap_parallel_model,
 )
 
 __version__ = "0.1.0"
@@ -49,4 +66,20 @@ __all__ = [
     "barrier",
     "cleanup_ddp",
     "find_free_port",
+    # nn_handler.utils.parallel
+    "ConfigurationError",
+    "MultiGPUConfig",
+    "MultiGPUMode",
+    "resolve_parallel_mode",
+    "prepare_model",
+    "prepare_dataloader",
+    "unwrap_parallel_model",
+    "setup_parallel_model",
+    "parallelize_if_available",
+    "get_device_count",
+    "is_parallel_available",
+    "get_gpu_memory_info",
+    "print_gpu_memory_info",
+    "get_gpu_stats",
+    "get_recommended_batch_size",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "NNHandlerError",
     "LaunchEnvironmentError",
     "DeviceError",
+    "ConfigurationError",
     "RankFailure",
     "ParallelExecutionError",
     "WorkerDiedError",
@@ -33,6 +34,10 @@ class LaunchEnvironmentError(NNHandlerError, ValueError):
 
 class DeviceError(NNHandlerError, ValueError):
     """A device specification names a device that does not exist or is not understood."""
+
+
+class ConfigurationError(NNHandlerError, ValueError):
+    """A setting, or a combination of settings, that cannot work here (the message says why and what to do)."""
 
 
 def describe_exit(exitcode: int | None) -> str:
