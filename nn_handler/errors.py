@@ -21,6 +21,10 @@ __all__ = [
     "ParallelExecutionError",
     "WorkerDiedError",
     "RankFailedError",
+    "NonFiniteLossError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "MissingExtraError",
 ]
 
 
@@ -159,3 +163,50 @@ class RankFailedError(NNHandlerError, RuntimeError):
 
     def __reduce__(self):
         return (RankFailedError, (self.function, self.failures))
+
+class NonFiniteLossError(NNHandlerError, RuntimeError):
+    """The training loss became NaN or infinite; raised on every rank at the same point.
+
+    Attributes:
+        epoch: The epoch in which the loss was first non-finite, counted from 1
+            as in the History.
+        step: The batch index within that epoch (from 0) where it first happened.
+        value: The offending loss value (``nan``, ``inf``), when known.
+        ranks: The ranks that saw it, when known (empty for a single process).
+    """
+
+    def __init__(self, epoch: int, step: int, value: float = float("nan"), ranks=()):
+        self.epoch, self.step, self.value, self.ranks = epoch, step, value, tuple(ranks)
+        where = f" on rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}" if self.ranks else ""
+        super().__init__(
+            f"loss is {value} at epoch {epoch}, step {step}{where}; lower the learning rate, set clip_grad_norm, "
+            f"or check the inputs of that batch for NaN/inf"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.epoch, self.step, self.value, self.ranks))
+
+
+class CheckpointError(NNHandlerError, RuntimeError):
+    """A checkpoint file is missing, corrupt, truncated, or not an nn_handler checkpoint."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's weights do not fit the model (another model, or a changed architecture).
+
+    Attributes:
+        missing: Keys the model has and the checkpoint lacks.
+        unexpected: Keys the checkpoint has and the model lacks.
+        mismatched: ``(key, checkpoint shape, model shape)`` for keys whose shapes differ.
+    """
+
+    def __init__(self, message: str, missing=(), unexpected=(), mismatched=()):
+        self.missing, self.unexpected, self.mismatched = tuple(missing), tuple(unexpected), tuple(mismatched)
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.missing, self.unexpected, self.mismatched))
+
+
+class MissingExtraError(NNHandlerError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
