@@ -14,7 +14,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-import nn_handler.utils.parallel as parallel
+import nn_handler.utils._wrap as wrap
 from nn_handler.errors import ConfigurationError, DeviceError, NNHandlerError
 from nn_handler.testing import run_distributed
 from nn_handler.utils.parallel import (
@@ -79,9 +79,9 @@ class Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(parallel, "DataParallel", rec.wrapper("dp"))
-    monkeypatch.setattr(parallel, "DistributedDataParallel", rec.wrapper("ddp"))
-    monkeypatch.setattr(parallel, "_move", rec.move)
+    monkeypatch.setattr(wrap, "DataParallel", rec.wrapper("dp"))
+    monkeypatch.setattr(wrap, "DistributedDataParallel", rec.wrapper("ddp"))
+    monkeypatch.setattr(wrap, "_move", rec.move)
     return rec
 
 
@@ -188,7 +188,7 @@ def test_auto_picks_distributed_from_the_launcher(no_gpu, rank1_of_2):
 
 
 def test_auto_picks_distributed_when_a_group_exists(no_gpu, monkeypatch):
-    monkeypatch.setattr(parallel, "is_distributed", lambda: True)
+    monkeypatch.setattr(wrap, "is_distributed", lambda: True)
     assert resolve_parallel_mode() == "distributed"
 
 
@@ -261,7 +261,7 @@ def test_prepare_model_dataparallel_rejects_a_cpu_device(two_gpus, recorder):
 
 
 def test_prepare_model_ddp_on_the_local_rank_gpu(two_gpus, rank1_of_2, recorder, monkeypatch):
-    monkeypatch.setattr(parallel, "is_distributed", lambda: True)
+    monkeypatch.setattr(wrap, "is_distributed", lambda: True)
     config = MultiGPUConfig(find_unused_parameters=True, bucket_cap_mb=50, static_graph=True,
                             broadcast_buffers=False, gradient_as_bucket_view=False)
     model = nn.Linear(2, 2)
@@ -274,7 +274,7 @@ def test_prepare_model_ddp_on_the_local_rank_gpu(two_gpus, rank1_of_2, recorder,
 
 
 def test_prepare_model_ddp_on_cpu_passes_no_device_ids(no_gpu, rank1_of_2, recorder, monkeypatch):
-    monkeypatch.setattr(parallel, "is_distributed", lambda: True)
+    monkeypatch.setattr(wrap, "is_distributed", lambda: True)
     kind, _, kwargs = prepare_model(nn.Linear(2, 2))
     assert kind == "ddp" and "device_ids" not in kwargs and "output_device" not in kwargs
     assert recorder.calls[0][2] == torch.device("cpu")
@@ -283,13 +283,13 @@ def test_prepare_model_ddp_on_cpu_passes_no_device_ids(no_gpu, rank1_of_2, recor
 def test_prepare_model_forms_the_group_when_only_the_launcher_says_distributed(no_gpu, rank1_of_2, recorder,
                                                                                monkeypatch):
     formed = []
-    monkeypatch.setattr(parallel, "initialize_ddp", lambda **kw: formed.append(kw))
+    monkeypatch.setattr(wrap, "initialize_ddp", lambda **kw: formed.append(kw))
     prepare_model(nn.Linear(2, 2), MultiGPUConfig(backend="gloo"))
     assert formed == [{"backend": "gloo"}]
 
 
 def test_prepare_model_sync_bn(no_gpu, rank1_of_2, recorder, monkeypatch):
-    monkeypatch.setattr(parallel, "is_distributed", lambda: True)
+    monkeypatch.setattr(wrap, "is_distributed", lambda: True)
     model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))
     _, module, _ = prepare_model(model, MultiGPUConfig(sync_bn=True))
     assert isinstance(module[1], nn.SyncBatchNorm)
