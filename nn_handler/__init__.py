@@ -15,6 +15,7 @@ from .errors import (
     RankFailedError,
     WorkerDiedError,
 )
+from .utils._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus
 from .utils.ddp import (
     barrier,
     cleanup_ddp,
@@ -55,6 +56,9 @@ __all__ = [
     "ParallelExecutionError",
     "WorkerDiedError",
     "RankFailedError",
+    "ParallelExecutor",
+    "parallelize_on_gpus",
+    "ExecutorTimeoutError",
     "initialize_ddp",
     "resolve_device",
     "should_use_distributed",

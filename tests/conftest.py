@@ -20,31 +20,40 @@ import torch
 _LAUNCH_VARS = LAUNCH_VARS
 
 
-def _is_resource_tracker(pid: str) -> bool:
-    # multiprocessing starts one resource tracker per parent on first use and
-    # keeps it for the parent's lifetime; it is infrastructure, not a leak.
+def _is_mp_infrastructure(pid: str) -> bool:
+    # multiprocessing starts one resource tracker and one forkserver per parent
+    # on first use and keeps them for the parent's lifetime: infrastructure,
+    # not leaks (the forkserver's own children are still checked).
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
+            cmdline = f.read()
     except OSError:
         return False
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
+
+
+def _all_children(pid: int | None = None) -> list[int]:
+    pid = os.getpid() if pid is None else pid
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
 
 
 def live_children(pid: int | None = None) -> list[int]:
-    """Pids of living (non-zombie) direct children of ``pid`` (this process by default)."""
-    pid = os.getpid() if pid is None else pid
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == pid and state not in ("Z", "X") and not _is_resource_tracker(entry):
-            found.append(int(entry))
+    """Living processes started by this one (directly, or by its forkserver), infrastructure excluded."""
+    direct = _all_children(pid)
+    servers = [p for p in direct if _is_mp_infrastructure(str(p))]
+    found = [p for p in direct if p not in servers]
+    for server in servers:
+        found += _all_children(server)
     return found
 
 

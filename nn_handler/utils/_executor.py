@@ -1,0 +1,398 @@
+"""ParallelExecutor and @parallelize_on_gpus: validation and the warm-pool registry over :mod:`._pool`."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import cloudpickle
+import torch
+
+from ..errors import DeviceError
+from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+
+__all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError"]
+
+R = TypeVar("R")
+
+
+# ----------------------------------------------------------------------------- validation
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _warn_no_cuda(n: int) -> None:
+    warnings.warn(
+        f"CUDA is not available: running {n} worker{'s' if n != 1 else ''} on the CPU instead "
+        f"(pass device_ids=['cpu', ...] to ask for CPU workers without this warning)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None) -> list[str]:
+    """One device string per worker, validated; raises before anything starts."""
+    if num_gpus is not None and (isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus <= 0):
+        raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    count = _cuda_count()
+    if device_ids is None:
+        if count == 0:
+            _warn_no_cuda(num_gpus or 1)
+            return ["cpu"] * (num_gpus or 1)
+        if num_gpus is not None and num_gpus > count:
+            raise DeviceError(f"num_gpus={num_gpus} but this machine has {count} CUDA device{'s' if count != 1 else ''}")
+        return [f"cuda:{i}" for i in range(num_gpus or count)]
+
+    if isinstance(device_ids, (str, int)) or not isinstance(device_ids, Sequence) or len(device_ids) == 0:
+        raise DeviceError(f"device_ids must be a non-empty list such as [0, 1] or ['cpu', 'cpu'], got {device_ids!r}")
+    if num_gpus is not None and num_gpus != len(device_ids):
+        raise ValueError(f"num_gpus={num_gpus} disagrees with {len(device_ids)} device_ids; give one of them")
+    devices = [_one_device(d, count) for d in device_ids]
+    gpus = [d for d in devices if d.startswith("cuda:")]
+    if len(set(gpus)) != len(gpus):
+        raise DeviceError(f"device_ids lists a GPU twice: {list(device_ids)}; one worker per GPU")
+    if any(d == "cuda?" for d in devices):  # GPUs asked for, none here
+        _warn_no_cuda(len(devices))
+        devices = ["cpu" if d == "cuda?" else d for d in devices]
+    return devices
+
+
+def _one_device(spec: int | str | torch.device, count: int) -> str:
+    if isinstance(spec, bool):
+        raise DeviceError(f"device id must be an int, 'cpu' or 'cuda:N', got {spec!r}")
+    if isinstance(spec, int):
+        index = spec
+    else:
+        try:
+            dev = torch.device(spec)
+        except (RuntimeError, TypeError):
+            raise DeviceError(f"unknown device id {spec!r}; use an int GPU index, 'cpu' or 'cuda:N'") from None
+        if dev.type == "cpu":
+            return "cpu"
+        if dev.type != "cuda":
+            raise DeviceError(f"device id {spec!r} is not supported; use an int GPU index, 'cpu' or 'cuda:N'")
+        index = 0 if dev.index is None else dev.index
+    if index < 0:
+        raise DeviceError(f"GPU index must be >= 0, got {index}")
+    if count == 0:
+        return "cuda?"
+    if index >= count:
+        raise DeviceError(f"device id {spec!r} does not exist: this machine has {count} CUDA device{'s' if count != 1 else ''}")
+    return f"cuda:{index}"
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return timeout
+
+
+def _device_position(func, pass_device: bool) -> int | None:
+    """Where ``device`` goes in a call of ``func``: a positional index, or ``None`` for a keyword.
+
+    The seed's style ``def f(device, data)`` called as ``f(data)`` needs the
+    device in the first positional slot; ``def f(data, *, device)`` takes it
+    by keyword.
+    """
+    if not pass_device:
+        return None
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None  # builtins without a signature: try the keyword
+    for i, p in enumerate(params):
+        if p.name == "device":
+            positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            return i if positional else None
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        raise TypeError(
+            f"{_name(func)} takes no `device` argument but pass_device=True; "
+            f"add a `device` parameter or pass pass_device=False"
+        )
+    return None
+
+
+def _pickle_call(func, pass_device: bool) -> bytes:
+    """Pickle the function (with where its device argument goes), or say why it cannot be."""
+    if not callable(func):
+        raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
+    position = _device_position(func, pass_device)
+    try:
+        return cloudpickle.dumps((func, position))
+    except Exception as exc:
+        raise TypeError(f"function {_name(func)} cannot be pickled to send to the workers: {exc}") from exc
+
+
+def _check_picklable(args: tuple, kwargs: dict, func) -> None:
+    # Only called after pickling the whole payload failed: find the culprit.
+    pieces = [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    pieces += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in pieces:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"{label} of {_name(func)} ({type(value).__name__}) cannot be pickled to send to the workers: {exc}"
+            ) from exc
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _threads_per_worker(n: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // n)
+
+
+# ----------------------------------------------------------------------------- executor
+class ParallelExecutor:
+    """A warm pool with one spawned worker process per device.
+
+    Workers start on ``__enter__`` (or first use) and serve every call until
+    :meth:`shutdown`. Functions and arguments travel with cloudpickle, so
+    lambdas, closures and notebook functions work; tensors in results come
+    back detached and on the CPU, large ones through shared memory. A failed
+    call raises :class:`~nn_handler.ParallelExecutionError` and the pool stays
+    usable; a dead worker raises :class:`~nn_handler.WorkerDiedError` at once
+    and is restarted on the next call.
+
+    Args:
+        num_gpus: Number of GPUs (workers); all GPUs by default. Without CUDA,
+            that many CPU workers (1 by default) with a ``RuntimeWarning``.
+        pass_device: Call functions with ``device=torch.device(...)``.
+        device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
+        timeout: Seconds per call; a call past it raises ``TimeoutError`` and
+            its stuck workers are replaced.
+        initializer: Run once in each worker at start (``initializer(*initargs,
+            device=...)`` when ``pass_device``), e.g. to load a model per GPU.
+        initargs: Arguments for ``initializer``.
+
+    Example:
+        >>> def double(x, device):
+        ...     return x.to(device) * 2
+        >>> with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:   # doctest: +SKIP
+        ...     ex.run(double, torch.tensor([1, 2]))
+        [tensor([2, 4]), tensor([2, 4])]
+    """
+
+    def __init__(self, num_gpus: int | None = None, pass_device: bool = True, *,
+                 device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                 initializer: Callable[..., Any] | None = None, initargs: tuple = ()):
+        self.devices = _worker_devices(num_gpus, device_ids)
+        self.timeout = _check_timeout(timeout)
+        self.pass_device = bool(pass_device)
+        init_blob = None
+        if initializer is not None:
+            if not callable(initializer):
+                raise TypeError(f"initializer must be callable, got {type(initializer).__name__}")
+            position = _device_position(initializer, self.pass_device)
+            try:
+                init_blob = cloudpickle.dumps(((initializer, position), tuple(initargs)))
+            except Exception:
+                _pickle_call(initializer, self.pass_device)
+                _check_picklable(tuple(initargs), {}, initializer)
+                raise
+        self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
+                                threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout)
+        # Workers end with the executor even if it is dropped without shutdown().
+        self._finalizer = weakref.finalize(self, self._pool.shutdown)
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers (devices) this executor has."""
+        return len(self.devices)
+
+    def __enter__(self) -> "ParallelExecutor":
+        self._pool.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is KeyboardInterrupt:
+            self._pool.terminate()
+        self.shutdown()
+
+    def start(self) -> "ParallelExecutor":
+        """Start the workers now rather than on first use."""
+        self._pool.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop every worker; calling it again is harmless."""
+        self._pool.shutdown()
+
+    def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
+        """Call ``func(*args, **kwargs)`` on every worker.
+
+        Returns:
+            One result per worker, in device order.
+
+        Raises:
+            ParallelExecutionError: ``func`` raised on a worker (every failure
+                and remote traceback is in the message and ``.failures``).
+            WorkerDiedError: A worker died during the call.
+            TimeoutError: The call ran past ``timeout``.
+            TypeError: ``func`` or an argument cannot be pickled.
+        """
+        fn_blob = _pickle_call(func, self.pass_device)
+        try:
+            return self._pool.run(fn_blob, args, kwargs, self.timeout, _name(func))
+        except PayloadPicklingError:
+            _check_picklable(args, kwargs, func)
+            raise
+
+    def map(self, func: Callable[..., R], iterable: Iterable[Any], *, chunksize: int = 1) -> list[R]:
+        """Call ``func(item)`` for every item, spread over the workers as they become free.
+
+        Args:
+            func: Called as ``func(item, device=...)`` (``device`` when ``pass_device``).
+            iterable: The items.
+            chunksize: Items sent to a worker in one message; larger chunks
+                cost less per item for small work.
+
+        Returns:
+            The results, in input order.
+        """
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize <= 0:
+            raise ValueError(f"chunksize must be a positive integer, got {chunksize!r}")
+        fn_blob = _pickle_call(func, self.pass_device)
+        items = list(iterable)
+        chunks = [items[i:i + chunksize] for i in range(0, len(items), chunksize)]
+        try:
+            return self._pool.map(fn_blob, chunks, self.timeout, _name(func))
+        except PayloadPicklingError:
+            for i, item in enumerate(items):
+                try:
+                    cloudpickle.dumps(item)
+                except Exception as exc:
+                    raise TypeError(
+                        f"item {i} ({type(item).__name__}) cannot be pickled to send to the workers: {exc}"
+                    ) from exc
+            raise
+
+
+# ----------------------------------------------------------------------------- decorator
+class _WarmPools:
+    """Warm executors shared by decorated functions, keyed by their configuration.
+
+    Each stays alive while used and shuts down ``keep_alive`` seconds after
+    its last call, and at interpreter exit.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pools: dict[tuple, ParallelExecutor] = {}
+        self._timers: dict[tuple, threading.Timer] = {}
+        self._atexit = False
+
+    def get(self, key: tuple, make: Callable[[], ParallelExecutor]) -> ParallelExecutor:
+        with self._lock:
+            if not self._atexit:
+                atexit.register(self.shutdown_all)
+                self._atexit = True
+            timer = self._timers.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+            executor = self._pools.get(key)
+            if executor is None or executor._pool.closed:
+                executor = self._pools[key] = make()
+            return executor
+
+    def release(self, key: tuple, executor: ParallelExecutor, keep_alive: float) -> None:
+        with self._lock:
+            if self._pools.get(key) is not executor:
+                return
+            timer = threading.Timer(keep_alive, self._expire, args=(key, executor))
+            timer.daemon = True  # never keeps the interpreter alive
+            self._timers[key] = timer
+            timer.start()
+
+    def _expire(self, key: tuple, executor: ParallelExecutor) -> None:
+        with self._lock:
+            if self._pools.get(key) is not executor or key not in self._timers:
+                return
+            del self._pools[key], self._timers[key]
+        executor.shutdown()
+
+    def shutdown_all(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
+        for executor in pools:
+            executor.shutdown()
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+
+_warm_pools = _WarmPools()
+
+
+def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
+                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                        keep_alive: float = 60):
+    """Run the decorated function on every GPU at once; the call returns one result per GPU.
+
+    Repeated calls reuse one warm pool, shut down after ``keep_alive`` idle
+    seconds and at interpreter exit (``keep_alive=0``: a fresh pool per call).
+    Without CUDA it runs on CPU workers with a ``RuntimeWarning``.
+
+    Args:
+        num_gpus: How many GPUs; all by default.
+        pass_device: Pass ``device=torch.device(...)`` to the function.
+        device_ids: Which devices, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
+        timeout: Seconds per call.
+        keep_alive: Idle seconds before the warm pool shuts down.
+
+    Example:
+        >>> @parallelize_on_gpus(device_ids=["cpu", "cpu"])
+        ... def process_on_gpu(device, data):
+        ...     return data.to(device) * 2
+        >>> process_on_gpu(torch.tensor([1, 2, 3]))   # doctest: +SKIP
+        [tensor([2, 4, 6]), tensor([2, 4, 6])]
+    """
+    if callable(num_gpus) and not isinstance(num_gpus, int):
+        # Used bare: @parallelize_on_gpus
+        return parallelize_on_gpus()(num_gpus)
+    if isinstance(keep_alive, bool) or not isinstance(keep_alive, (int, float)) or keep_alive < 0:
+        raise ValueError(f"keep_alive must be >= 0 seconds, got {keep_alive!r}")
+    # Validate now so a bad configuration fails at decoration, not at first call.
+    devices = tuple(_worker_devices(num_gpus, device_ids))
+    _check_timeout(timeout)
+
+    def decorate(func: Callable[..., R]) -> Callable[..., list[R]]:
+        if not callable(func):
+            raise TypeError(f"parallelize_on_gpus decorates a callable, got {type(func).__name__}")
+
+        def make() -> ParallelExecutor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # already warned at decoration
+                return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> list[R]:
+            if keep_alive == 0:
+                with make() as executor:
+                    return executor.run(func, *args, **kwargs)
+            key = (devices, pass_device, timeout)
+            executor = _warm_pools.get(key, make)
+            try:
+                return executor.run(func, *args, **kwargs)
+            finally:
+                _warm_pools.release(key, executor, keep_alive)
+
+        wrapper.shutdown = lambda: _warm_pools.shutdown_all()  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate

@@ -1,0 +1,134 @@
+"""Serialisation between the caller and its workers: cloudpickle, with large tensors in shared memory.
+
+Small objects travel as cloudpickle bytes (lambdas, closures and functions
+defined in ``__main__`` or a notebook included). A CPU tensor of at least
+``SHM_THRESHOLD`` bytes is copied once into a file under ``/dev/shm`` and only
+its name travels; the receiver maps that file (torch owns the mapping, so it is
+released with the tensor) and unlinks the name at once.
+
+Why not torch.multiprocessing's shared-memory reducers: they hand over file
+descriptors that the *sending* process must stay alive to serve, so a worker
+that exits right after sending loses its results (the ``EOFError`` trap). A
+named file outlives its writer, and its reader needs nobody.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import itertools
+import os
+import pickle
+
+import cloudpickle
+import torch
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# Below this size a tensor is cheaper as bytes in the message than as a file
+# to create, map and unlink.
+SHM_THRESHOLD = 1 << 20
+
+
+def _rebuild_shared(path: str, nbytes: int, dtype: torch.dtype, shape, requires_grad: bool, private: bool):
+    # private=True maps copy-on-write: an argument shared by every worker must
+    # not see one worker's in-place writes.
+    storage = torch.UntypedStorage.from_file(path, shared=not private, nbytes=nbytes)
+    if not private:
+        os.unlink(path)  # results are read by one process only: drop the name now
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._prefix = prefix
+        self._counter = counter
+        self._to_cpu = to_cpu
+        self._private = private
+        self.created: list[str] = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            reduced = self._reduce_tensor(obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        if self._to_cpu and (t.requires_grad or t.device.type != "cpu"):
+            t = t.detach().cpu()
+            if self._prefix is None or t.nbytes < SHM_THRESHOLD:
+                return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if (
+            self._prefix is None
+            or t.device.type != "cpu"
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.nbytes < SHM_THRESHOLD
+            or (t.requires_grad and not t.is_leaf)
+        ):
+            return None
+        path = f"{self._prefix}{next(self._counter)}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, t.nbytes)
+        finally:
+            os.close(fd)
+        self.created.append(path)
+        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=t.nbytes)
+        torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape).copy_(t.detach())
+        return _rebuild_shared, (path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
+
+
+class Encoder:
+    """Pickles objects for one side of a pool, naming its shared-memory files with ``prefix``.
+
+    Args:
+        prefix: Unique file-name prefix under ``/dev/shm`` for this sender, or
+            ``None`` to send every tensor as bytes.
+        to_cpu: Detach tensors and move them to CPU (results do this).
+        private: Receivers map copy-on-write and leave the file for the sender
+            to remove (arguments shared by several workers do this).
+    """
+
+    def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False):
+        self.prefix = prefix if SHM_DIR else None
+        self.to_cpu = to_cpu
+        self.private = private
+        self._counter = itertools.count()
+
+    def dumps(self, obj) -> tuple[bytes, list[str]]:
+        """Return the bytes and the shared-memory files created for them."""
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private)
+        try:
+            pickler.dump(obj)
+        except BaseException:
+            remove_files(pickler.created)
+            raise
+        return buf.getvalue(), pickler.created
+
+
+def loads(data: bytes):
+    """Inverse of :meth:`Encoder.dumps`."""
+    return pickle.loads(data)
+
+
+def remove_files(paths) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def shm_prefix(tag: str) -> str | None:
+    """A file-name prefix under ``/dev/shm`` for one sender (``None`` where there is no /dev/shm)."""
+    return f"{SHM_DIR}/nnh-{tag}-" if SHM_DIR else None
+
+
+def remove_prefixed(prefix: str | None) -> None:
+    """Remove every file left under ``prefix`` (a sender died before its reader unlinked)."""
+    if prefix:
+        remove_files(glob.glob(glob.escape(prefix) + "*"))

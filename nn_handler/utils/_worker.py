@@ -1,0 +1,148 @@
+"""The child's loop: pin the device, split the cores, run calls, send results or the remote traceback.
+
+Messages from the pool are ``(call_id, kind, fn_blob, payload_blob)``:
+``kind`` is ``"run"`` (payload ``(args, kwargs)``) or ``"map"`` (payload: a
+chunk of items); ``fn_blob`` is ``None`` when the function is the one already
+cached for this ``call_id`` (a ``map`` sends it once per worker). Replies are
+``(status, call_id, body)`` with ``status`` in ``ok``/``err``/``ready``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from ..errors import RankFailure
+from . import _transport
+
+# Seconds between checks that the caller is still alive. A worker blocked in
+# recv() learns of the caller's death from EOF at once; this catches the
+# worker that is busy computing when the caller is killed.
+_WATCHDOG_PERIOD = 0.5
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_WATCHDOG_PERIOD)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)  # nobody is left to read our results
+        except PermissionError:
+            pass
+
+
+def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[RankFailure, bytes | None]:
+    record = RankFailure(
+        rank=index,
+        device=device,
+        pid=os.getpid(),
+        exc_type=type(exc).__qualname__,
+        message=str(exc),
+        traceback=tb,
+    )
+    # Send the exception object itself only if the caller can rebuild it:
+    # a class with a custom __init__ often cannot be unpickled.
+    try:
+        blob = _transport.Encoder(None).dumps(exc)[0]
+        _transport.loads(blob)
+    except Exception:
+        blob = None
+    return record, blob
+
+
+def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
+                shm_prefix: str | None, parent_pid: int) -> None:
+    """Entry point of one worker process (started by :class:`~nn_handler.utils._pool.WorkerPool`)."""
+    # Ctrl-C in a terminal reaches the whole process group; the caller decides
+    # what happens to its workers, so they must not die half-way on their own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watchdog").start()
+    import torch
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_str)
+    encoder = _transport.Encoder(shm_prefix, to_cpu=True)
+
+    def call(fn_and_position, args, kwargs):
+        fn, position = fn_and_position
+        if not pass_device:
+            return fn(*args, **kwargs)
+        if position is not None and len(args) > position:
+            # def f(device, data) called with (data,): the device takes its slot
+            return fn(*args[:position], device, *args[position:], **kwargs)
+        return fn(*args, **kwargs, device=device)
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if init_blob is not None:
+            initializer, initargs = _transport.loads(init_blob)
+            call(initializer, initargs, {})
+        conn.send_bytes(pickle.dumps(("ready", None, os.getpid())))
+    except BaseException as exc:
+        record, blob = _failure(index, device_str, exc, traceback.format_exc())
+        conn.send_bytes(pickle.dumps(("err", None, (record, blob))))
+        return
+
+    cached_call, cached_fn = None, None
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the pool closed our pipe: shut down
+        call_id, kind, fn_blob, payload_blob = pickle.loads(message)
+        if kind == "stop":
+            return
+        try:
+            if fn_blob is not None:
+                cached_call, cached_fn = call_id, _transport.loads(fn_blob)
+            elif cached_call != call_id:
+                raise RuntimeError("internal error: no function was sent for this call")
+            payload = _transport.loads(payload_blob)
+            if kind == "run":
+                args, kwargs = payload
+                result = call(cached_fn, args, kwargs)
+            else:
+                result = [call(cached_fn, (item,), {}) for item in payload]
+            try:
+                body, _ = encoder.dumps(result)
+            except Exception as exc:
+                raise TypeError(
+                    f"the result of {getattr(cached_fn[0], '__name__', 'the function')} could not be pickled "
+                    f"({exc}); return tensors, numbers, lists or dicts of them"
+                ) from exc
+            reply = ("ok", call_id, body)
+        except BaseException as exc:
+            reply = ("err", call_id, _failure(index, device_str, exc, traceback.format_exc()))
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                conn.send_bytes(pickle.dumps(reply))
+                return
+        conn.send_bytes(pickle.dumps(reply))
+
+
+def guard_against_bootstrap() -> None:
+    """Raise a helpful error when a pool is started while a child is still importing ``__main__``."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None and _importing_main():
+        raise RuntimeError(
+            "a ParallelExecutor was started while a worker process was importing your main module. "
+            "Start it under a main guard:\n\n    if __name__ == \"__main__\":\n        main()\n"
+        )
+
+
+def _importing_main() -> bool:
+    # The spawn/forkserver bootstrap runs the main script under the name
+    # __mp_main__; a frame of that module on the stack means we are inside it.
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
