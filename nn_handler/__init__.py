@@ -45,6 +45,7 @@ from .utils.parallel import (
     setup_parallel_model,
     unwrap_parallel_model,
 )
+from .utils.parallel import dispatch_model, plan_device_map
 
 __version__ = "0.1.0"
 
@@ -86,4 +87,6 @@ __all__ = [
     "print_gpu_memory_info",
     "get_gpu_stats",
     "get_recommended_batch_size",
+    "dispatch_model",
+    "plan_device_map",
 ]

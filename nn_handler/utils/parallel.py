@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from ._placement import DEVICE_MAP_ATTR, dispatch_model, parse_memory_size, plan_device_map
 from ._reports import (
     get_device_count,
     get_gpu_memory_info,
@@ -54,4 +55,8 @@ __all__ = [
     "get_recommended_batch_size",
     "setup_parallel_model",
     "parallelize_if_available",
+    "dispatch_model",
+    "plan_device_map",
+    "parse_memory_size",
+    "DEVICE_MAP_ATTR",
 ]
