@@ -9,7 +9,9 @@ that spawned workers can load it cheaply.
 
 from __future__ import annotations
 
+import pickle
 import signal
+import types
 from dataclasses import dataclass
 
 __all__ = [
@@ -142,27 +144,143 @@ class WorkerDiedError(ParallelExecutionError):
 class RankFailedError(NNHandlerError, RuntimeError):
     """Raised on every rank when a rank-restricted call failed on another rank.
 
+    The rank that failed re-raises its own exception; every other rank raises
+    this error instead. Where the original exception type can be rebuilt here
+    and subclassed, the error is also an instance of it (its class is then
+    named ``RankFailedError[ValueError]``), so ``except ValueError`` works on
+    every rank alike. Otherwise it is a plain ``RankFailedError``.
+
     Attributes:
-        function: Name of the decorated function.
-        failures: One :class:`RankFailure` per rank that raised.
+        function: Name of the decorated function (or block) that failed.
+        failures: One :class:`RankFailure` per rank that raised, by rank.
+        original_type: The exception class this error also is an instance of,
+            or ``None``.
+
+    Example:
+        >>> failure = RankFailure(rank=0, exc_type="ValueError", message="bad", traceback="...")
+        >>> err = RankFailedError.create("save", [failure], ValueError)
+        >>> isinstance(err, ValueError), err.ranks
+        (True, (0,))
+        >>> str(err).splitlines()[0]
+        'save failed on rank 0 (?): ValueError: bad'
     """
+
+    original_type: type[BaseException] | None = None
 
     def __init__(self, function: str, failures):
         self.function = function
         self.failures = tuple(sorted(failures, key=lambda f: f.rank))
-        ranks = ", ".join(str(f.rank) for f in self.failures)
-        first = self.failures[0]
-        msg = (
-            f"{function} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}: "
-            f"{first.exc_type}: {first.message}"
-        )
-        for f in self.failures:
-            if f.traceback:
-                msg += f"\n--- traceback of rank {f.rank} ---\n{f.traceback.rstrip()}"
-        super().__init__(msg)
+        self._text = _render_rank_failed(function, self.failures)
+        # BaseException.__init__ directly, not super(): in a class derived
+        # from a user's exception type, super() could reach that type's own
+        # __init__, whose signature we do not know.
+        BaseException.__init__(self, self._text)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks that raised, ascending."""
+        return tuple(f.rank for f in self.failures)
+
+    def __str__(self) -> str:
+        # Fixed here so that a derived class does not render through the
+        # original type's __str__ (KeyError would quote the whole text).
+        return self._text
 
     def __reduce__(self):
-        return (RankFailedError, (self.function, self.failures))
+        # Derived classes are made at run time and cannot be pickled by name:
+        # rebuild from the records and the original type, which travels as
+        # pickled references to its bases so that an unimportable type falls
+        # back to its nearest importable base.
+        return (_rebuild_rank_failed_error, (self.function, self.failures, _type_refs(self.original_type)))
+
+    @classmethod
+    def create(cls, function: str, failures, exc_type: type[BaseException] | None = None) -> "RankFailedError":
+        """Build the error, an instance of ``exc_type`` too where that is possible.
+
+        Args:
+            function: Name of the function (or block) that failed.
+            failures: :class:`RankFailure` records of the ranks that raised.
+            exc_type: The original exception class (of the lowest failed rank).
+
+        Returns:
+            A ``RankFailedError[exc_type.__name__]`` or, when ``exc_type`` is
+            ``None``, not an ``Exception`` subclass, or cannot be combined
+            with this class, a plain :class:`RankFailedError`.
+        """
+        derived = _derived_class(exc_type)
+        if derived is not None:
+            try:
+                return derived(function, failures)
+            except Exception:  # a type whose __new__ rejects our arguments
+                pass
+        return RankFailedError(function, failures)
+
+
+def _render_rank_failed(function: str, failures: tuple[RankFailure, ...]) -> str:
+    if len(failures) == 1:
+        lines = [failures[0].headline(function)]
+    else:
+        lines = [f"{function} failed on ranks {', '.join(str(f.rank) for f in failures)}:"]
+        lines.extend("  " + f.headline(function) for f in failures)
+    for f in failures:
+        if f.traceback:
+            lines.append(f"--- traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
+    return "\n".join(lines)
+
+
+_DERIVED: dict[type, type] = {}
+
+
+def _derived_class(exc_type) -> type | None:
+    """``RankFailedError[exc_type]``, made once per type; ``None`` when it cannot or need not exist."""
+    if isinstance(exc_type, type) and issubclass(exc_type, RankFailedError):
+        exc_type = exc_type.original_type  # a RankFailedError relayed again: keep the root type
+    # Only Exception subclasses: an error that is also a KeyboardInterrupt or
+    # SystemExit would escape `except Exception` on ranks that were never interrupted.
+    if not isinstance(exc_type, type) or not issubclass(exc_type, Exception):
+        return None
+    if issubclass(RankFailedError, exc_type):  # RuntimeError, Exception: already one
+        return None
+    cls = _DERIVED.get(exc_type)
+    if cls is None:
+        name = f"RankFailedError[{exc_type.__name__}]"
+        try:
+            cls = types.new_class(name, (RankFailedError, exc_type), {},
+                                  lambda ns: ns.update(__module__=__name__, __qualname__=name,
+                                                       original_type=exc_type))
+        except TypeError:  # layout conflicts, final classes, metaclass conflicts
+            return None
+        cls = _DERIVED.setdefault(exc_type, cls)
+    return cls
+
+
+def _type_refs(exc_type) -> tuple[bytes, ...]:
+    """Pickled references to ``exc_type`` and its bases, most derived first, stopping at a base we already are."""
+    refs = []
+    for cls in getattr(exc_type, "__mro__", ()):
+        if issubclass(RankFailedError, cls):
+            break
+        try:
+            refs.append(pickle.dumps(cls))
+        except Exception:  # a local or dynamic class: try its bases
+            continue
+    return tuple(refs)
+
+
+def _load_type(refs) -> type | None:
+    """The first class in ``refs`` that can be imported here, else ``None``."""
+    for ref in refs:
+        try:
+            cls = pickle.loads(ref)
+        except Exception:
+            continue
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def _rebuild_rank_failed_error(function, failures, type_refs):
+    return RankFailedError.create(function, failures, _load_type(type_refs))
 
 class NonFiniteLossError(NNHandlerError, RuntimeError):
     """The training loss became NaN or infinite; raised on every rank at the same point.
