@@ -16,6 +16,7 @@ from .errors import (
     WorkerDiedError,
 )
 from .utils._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus
+from .utils.ddp_decorators import all_ranks, any_rank, main_process_first, on_rank, parallel_on_all_devices
 from .utils.ddp import (
     barrier,
     cleanup_ddp,
@@ -71,6 +72,11 @@ __all__ = [
     "barrier",
     "cleanup_ddp",
     "find_free_port",
+    "on_rank",
+    "main_process_first",
+    "any_rank",
+    "all_ranks",
+    "parallel_on_all_devices",
     # nn_handler.utils.parallel
     "ConfigurationError",
     "MultiGPUConfig",

@@ -282,6 +282,7 @@ def _load_type(refs) -> type | None:
 def _rebuild_rank_failed_error(function, failures, type_refs):
     return RankFailedError.create(function, failures, _load_type(type_refs))
 
+
 class NonFiniteLossError(NNHandlerError, RuntimeError):
     """The training loss became NaN or infinite; raised on every rank at the same point.
 

@@ -1,0 +1,299 @@
+"""``on_rank`` and ``main_process_first``: rank-restricted code whose failure reaches every rank.
+
+Protocol of one ``on_rank`` call in a process group (``_settle``)::
+
+    target ranks:  run func ─┐                      ┌─ failed? gather records, raise
+                             ├─ exchange(failed, n) ┤
+    other ranks:  ───────────┘  (one all_reduce)    └─ ok: [broadcast result] [barrier] return
+
+Every rank takes part in every step, whatever happened on the others, so
+none is left waiting in a collective the others will never join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import os
+import pickle
+import traceback
+from typing import Callable, Iterator, ParamSpec, Sequence, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
+from . import _collectives as coll
+from .ddp import is_distributed
+
+__all__ = ["on_rank", "main_process_first"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Ranks = Union[int, Sequence[int]]
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _target_ranks(rank, name: str) -> tuple[int, ...]:
+    """Normalise ``rank`` to sorted distinct ints, or raise ValueError (no range check: see ``_check_range``)."""
+    if isinstance(rank, (list, tuple, set, frozenset, range)):
+        items = list(rank)
+        if not items:
+            raise ValueError(f"on_rank({name}): the list of ranks is empty; give at least one rank, e.g. on_rank(0)")
+    else:
+        items = [rank]
+    ranks = set()
+    for item in items:
+        # bool is an int to Python, but on_rank(True) is surely a mistake.
+        if isinstance(item, bool):
+            raise ValueError(f"on_rank({name}): a rank must be an int, got {_describe(item)}")
+        try:
+            ranks.add(operator.index(item))
+        except TypeError:
+            raise ValueError(
+                f"on_rank({name}): a rank must be an int or a list of ints, got {_describe(item)}"
+            ) from None
+    return tuple(sorted(ranks))
+
+
+def _check_range(ranks: tuple[int, ...], world_size: int, name: str) -> None:
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(
+            f"on_rank({name}): rank must be in [0, {world_size}) (the world size is {world_size}), "
+            f"got {bad[0] if len(bad) == 1 else bad}"
+        )
+
+
+def _device_name() -> str:
+    # Only ask CUDA when this process already uses it: initializing CUDA in a
+    # failure path would be slow and may fail itself.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _failure_record(exc: BaseException, rank: int) -> tuple[RankFailure, tuple[bytes, ...]]:
+    """What the other ranks need to raise a faithful RankFailedError: plain, picklable data."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<str() of the {type(exc).__name__} failed>"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # start at the user's code, not at the frame that caught the error
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = ""
+    record = RankFailure(rank=rank, device=_device_name(), pid=os.getpid(), exc_type=type(exc).__qualname__,
+                         message=message, traceback=text)
+    return record, _type_refs(type(exc))
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
+
+
+def _settle(side: coll.SideGroup, name: str, failure: BaseException | None, payload_size: int = 0) -> int:
+    """Tell every rank whether this rank failed; raise on every rank when any did.
+
+    Returns the total payload size (for ``broadcast_result``) when no rank failed.
+    Raises ``failure`` on the rank that had it, :class:`RankFailedError` on the others.
+    """
+    try:
+        n_failed, size = coll.exchange(side, failure is not None, payload_size)
+        if n_failed:
+            mine = _failure_record(failure, side.rank) if failure is not None else None
+            records = [r for r in coll.gather(side, mine) if r is not None]
+    except RuntimeError as exc:
+        # Usually a rank died (gloo: "Connection closed by peer") or the
+        # group's timeout passed; say which call was waiting.
+        note = (f"nn_handler: while the ranks exchanged the status of {name}; another rank probably died "
+                f"or did not call {name}")
+        if failure is not None:  # this rank's own error explains more than the exchange's
+            _add_note(failure, f"{note}: {exc}")
+            raise failure
+        _add_note(exc, note)
+        raise
+    if not n_failed:
+        return size
+    if failure is not None:
+        raise failure
+    first_type = _load_type(records[0][1])
+    raise RankFailedError.create(name, [r for r, _ in records], first_type)
+
+
+def _pickled_result(result, name: str) -> bytes:
+    try:
+        return pickle.dumps(result)
+    except Exception as exc:
+        raise TypeError(
+            f"{name} returned a {type(result).__name__} that cannot be pickled, but broadcast_result=True "
+            f"sends it to every rank: {exc}; return plain data (tensors, numbers, dicts) instead"
+        ) from exc
+
+
+def on_rank(
+    rank: Ranks, barrier: bool = False, *, broadcast_result: bool = False
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Run the decorated function only on the given rank(s); a failure there raises on every rank.
+
+    Every rank must call the decorated function (it is a collective, like
+    ``dist.all_reduce``). On the target ranks it runs; the others skip it.
+    Then all ranks exchange one small status message on a side gloo group:
+    if the function raised on any target rank, every rank raises within
+    moments, instead of the others waiting at the next collective until the
+    job's timeout. The rank that failed re-raises its own exception; the
+    others raise :class:`~nn_handler.errors.RankFailedError` naming the
+    function, the failed ranks, the message and the remote traceback, which
+    is also an instance of the original exception type where possible (so
+    ``except ValueError`` works on every rank).
+
+    The target ranks are checked when the function is called, not when it
+    is decorated, so it may be defined before the process group exists.
+    Without a process group the function just runs (the single process
+    stands for every rank). An ``on_rank`` function called from inside
+    another one (or inside a ``main_process_first`` block) runs locally on
+    its target ranks, without an exchange, since not every rank is there.
+
+    Args:
+        rank: A rank or a list of ranks to run on.
+        barrier: After the call, and only when no rank failed, meet at a
+            ``monitored_barrier`` whose timeout error names the ranks that did
+            not arrive. (The status exchange already keeps every rank from
+            returning before the function has finished on the target ranks.)
+        broadcast_result: Return the result of the lowest target rank on
+            every rank (it must be picklable); otherwise the ranks that skip
+            the function return ``None``.
+
+    Returns:
+        A decorator. The decorated function returns the function's result on
+        the target ranks and ``None`` (or the broadcast result) elsewhere.
+
+    Raises:
+        ValueError: At call time on every rank: a rank outside
+            ``[0, world_size)``, an empty list, or a rank that is not an int.
+        RankFailedError: On the ranks where the function did not fail, when
+            it failed on a target rank.
+
+    Example:
+        >>> from nn_handler.utils.ddp_decorators import on_rank
+        >>> @on_rank(0)
+        ... def save(path):
+        ...     return f"saved {path}"
+        >>> save("model.pt")   # no process group here: it just runs
+        'saved model.pt'
+
+        In a DDP job, fetch a value on rank 0 and hand it to everyone::
+
+            @on_rank(0, broadcast_result=True)
+            def latest_checkpoint():
+                return sorted(Path("ckpt").glob("*.pt"))[-1]
+
+            path = latest_checkpoint()   # the same Path on every rank
+    """
+    if callable(rank) and not isinstance(rank, (int, Sequence)):
+        raise ValueError("on_rank needs the rank(s) to run on: write @on_rank(0), not @on_rank")
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
+        name = getattr(func, "__qualname__", None) or repr(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            targets = _target_ranks(rank, name)
+            side = coll.side_group() if not coll.restricted.get() else None
+            if side is None:
+                if not is_distributed():
+                    return func(*args, **kwargs)
+                # Nested in code that only some ranks run: no exchange is
+                # possible, so run locally on the target ranks.
+                _check_range(targets, dist.get_world_size(), name)
+                return func(*args, **kwargs) if dist.get_rank() in targets else None
+            _check_range(targets, side.size, name)
+            return _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result)
+
+        return wrapper
+
+    return decorate
+
+
+def _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result):
+    source = targets[0]  # whose result broadcast_result sends
+    result, failure, payload = None, None, b""
+    if side.rank in targets:
+        token = coll.restricted.set(True)
+        try:
+            result = func(*args, **kwargs)
+            if broadcast_result and side.rank == source:
+                payload = _pickled_result(result, name)
+        except BaseException as exc:  # KeyboardInterrupt too: the others must not wait for it
+            failure = exc
+        finally:
+            coll.restricted.reset(token)
+    try:
+        size = _settle(side, name, failure, len(payload))
+    finally:
+        failure = None  # no frame <-> traceback cycle kept alive by this frame
+    if broadcast_result:
+        data = coll.broadcast_bytes(side, payload, size, source)
+        if side.rank != source:
+            result = pickle.loads(data)
+    if barrier:
+        coll.monitored_barrier(side)
+    return result
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the ``with`` block on rank 0 first, then on the other ranks.
+
+    For work that rank 0 should do once and the others reuse: downloading a
+    data set, preprocessing, building a cache. Every rank must enter the
+    block. The other ranks wait until rank 0 has left it; if rank 0 raised
+    inside, they raise :class:`~nn_handler.errors.RankFailedError` (also an
+    instance of the original type where possible) instead of running their
+    block. When the others have run their block, rank 0 leaves the ``with``
+    statement too, and a failure on any of them raises on every rank. Without
+    a process group the block just runs.
+
+    Raises:
+        RankFailedError: On the ranks whose block did not fail, when the
+            block failed on another rank.
+
+    Example:
+        >>> from nn_handler.utils.ddp_decorators import main_process_first
+        >>> with main_process_first():
+        ...     ready = True   # rank 0 first (e.g. download), then the others (read the cache)
+        >>> ready
+        True
+    """
+    coll.check_collective_allowed("main_process_first")
+    side = coll.side_group()
+    if side is None:
+        yield
+        return
+    name = "main_process_first block"
+    if side.rank != 0:
+        _settle(side, name, None)  # phase 1: wait for rank 0's block
+    token = coll.restricted.set(True)
+    try:
+        yield
+    except BaseException as exc:
+        coll.restricted.reset(token)
+        token = None
+        if side.rank == 0:
+            _settle(side, name, exc)  # phase 1: tell the others, who have not started
+        _settle(side, name, exc)  # phase 2: raises exc here
+        raise  # unreachable: _settle raised; kept for readers and linters
+    finally:
+        if token is not None:
+            coll.restricted.reset(token)
+    if side.rank == 0:
+        _settle(side, name, None)  # phase 1: let the others start
+    _settle(side, name, None)  # phase 2: everyone's block is done

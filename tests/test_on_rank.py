@@ -1,0 +1,461 @@
+"""on_rank, main_process_first, any_rank/all_ranks and RankFailedError.
+
+Unit tests first (no processes), then real gloo groups through
+run_distributed; each rank body runs several scenarios in sequence, which
+also shows that the ranks' collectives stay aligned after every failure.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from nn_handler.errors import RankFailedError, RankFailure
+from nn_handler.testing import RemoteFailure, run_distributed
+from nn_handler.utils.ddp_decorators import all_ranks, any_rank, main_process_first, on_rank
+
+# Limits, smallest first: the group's collective timeout < the helper's
+# deadline < pytest-timeout (120 s in setup.cfg), so a hang names itself.
+PG_TIMEOUT = 30
+DEADLINE = 100
+
+
+class DiskFullError(OSError):
+    """A user's exception type, importable on every rank (module level)."""
+
+
+def _failure(rank=0, exc_type="ValueError", message="bad", traceback="Traceback ...\nValueError: bad"):
+    return RankFailure(rank=rank, device="cpu", pid=100 + rank, exc_type=exc_type, message=message,
+                       traceback=traceback)
+
+
+# ---------------------------------------------------------------- no process group
+
+
+def test_without_a_group_the_function_just_runs():
+    calls = []
+
+    @on_rank(0)
+    def zero(x):
+        """Doc."""
+        calls.append(x)
+        return x * 2
+
+    @on_rank([1, 3], barrier=True, broadcast_result=True)
+    def others():
+        return "ran"
+
+    assert zero(21) == 42 and calls == [21]
+    # A single process stands for every rank, even ranks a real job would have.
+    assert others() == "ran"
+    assert zero.__name__ == "zero" and zero.__doc__ == "Doc." and zero.__wrapped__(1) == 2
+
+
+@pytest.mark.parametrize(
+    "rank, message",
+    [([], "list of ranks is empty"), ((), "list of ranks is empty"), ("0", "got str '0'"),
+     (1.0, "got float 1.0"), (None, "got NoneType None"), (True, "got bool True"), ([0, False], "got bool False"),
+     ([0, "1"], "got str '1'")],
+)
+def test_bad_rank_raises_value_error_at_call_time(rank, message):
+    decorated = on_rank(rank)(lambda: "ran")  # decorating is fine: ranks are checked when called
+    with pytest.raises(ValueError, match=message):
+        decorated()
+
+
+def test_bare_decorator_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"write @on_rank\(0\), not @on_rank"):
+        @on_rank
+        def f():
+            pass
+
+
+def test_any_all_ranks_without_a_group():
+    assert any_rank(True) is True and any_rank(0) is False
+    assert all_ranks(1) is True and all_ranks(False) is False
+    assert any_rank(torch.tensor(True)) is True and all_ranks(torch.isnan(torch.tensor(1.0))) is False
+
+
+def test_main_process_first_without_a_group():
+    ran = []
+    with main_process_first():
+        ran.append(1)
+    assert ran == [1]
+    with pytest.raises(KeyError, match="mine"):  # the block's own error, unchanged
+        with main_process_first():
+            raise KeyError("mine")
+
+
+# ---------------------------------------------------------------- RankFailedError (no processes)
+
+
+def test_rank_failed_error_is_also_the_original_type():
+    err = RankFailedError.create("save", [_failure(1)], ValueError)
+    assert isinstance(err, RankFailedError) and isinstance(err, ValueError) and isinstance(err, RuntimeError)
+    assert type(err).__name__ == "RankFailedError[ValueError]" and err.original_type is ValueError
+    assert err.ranks == (1,) and err.function == "save"
+    first, *rest = str(err).splitlines()
+    assert first == "save failed on rank 1 (cpu, pid 101): ValueError: bad"
+    assert "--- traceback of rank 1 ---" in rest and "ValueError: bad" in rest
+    # One class per original type.
+    assert type(RankFailedError.create("other", [_failure()], ValueError)) is type(err)
+
+
+def test_rank_failed_error_renders_several_ranks_in_rank_order():
+    err = RankFailedError.create("step", [_failure(2, "KeyError", "'k'"), _failure(0)], ValueError)
+    lines = str(err).splitlines()
+    assert lines[0] == "step failed on ranks 0, 2:"
+    assert lines[1] == "  step failed on rank 0 (cpu, pid 100): ValueError: bad"
+    assert lines[2] == "  step failed on rank 2 (cpu, pid 102): KeyError: 'k'"
+    assert err.ranks == (0, 2)
+
+
+def test_key_error_text_is_not_quoted():
+    # KeyError's own __str__ would render the whole text as one repr'd line.
+    err = RankFailedError.create("f", [_failure(exc_type="KeyError", message="'k'")], KeyError)
+    assert isinstance(err, KeyError) and str(err).startswith("f failed on rank 0") and "\n" in str(err)
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, KeyError, DiskFullError, FileNotFoundError, UnicodeDecodeError,
+                                      NotImplementedError, None])
+def test_rank_failed_error_pickles(exc_type):
+    err = RankFailedError.create("save", [_failure(0), _failure(1)], exc_type)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)
+    assert back.failures == err.failures and back.function == "save"
+
+
+def test_unimportable_type_falls_back_to_its_nearest_importable_base():
+    class LocalError(KeyError):  # defined in a function: cannot be pickled by name
+        pass
+
+    err = RankFailedError.create("f", [_failure()], LocalError)
+    assert isinstance(err, LocalError)  # in this process the type itself is known
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, KeyError) and not isinstance(back, LocalError)
+    assert type(back).__name__ == "RankFailedError[KeyError]"
+
+
+class _StrictNew(RuntimeError):
+    # A RuntimeError subclass sits before RuntimeError in the combined class's
+    # MRO, so its __new__ does receive our arguments, and rejects them.
+    def __new__(cls, code: int):
+        if not isinstance(code, int):
+            raise TypeError("code must be an int")
+        return super().__new__(cls, code)
+
+
+class _NoSubclasses(ValueError):
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("final")
+
+
+@pytest.mark.parametrize(
+    "exc_type", [_StrictNew, _NoSubclasses, KeyboardInterrupt, SystemExit, RuntimeError, Exception, int, "x"]
+)
+def test_types_that_cannot_or_need_not_be_combined_give_a_plain_error(exc_type):
+    err = RankFailedError.create("f", [_failure()], exc_type)
+    assert type(err) is RankFailedError
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+def test_a_relayed_rank_failed_error_keeps_the_root_type():
+    inner = RankFailedError.create("inner", [_failure()], ValueError)
+    outer = RankFailedError.create("outer", [_failure(1)], type(inner))
+    assert type(outer) is type(inner)
+
+
+# ---------------------------------------------------------------- real gloo groups
+
+
+def _happy_paths(rank):
+    """2 ranks, group made after decorating (targets are decided at call time)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nn_handler.utils import _collectives
+    from nn_handler.utils.ddp import initialize_ddp
+
+    log = []
+
+    @on_rank(0)
+    def zero(x):
+        log.append(("zero", x))
+        return f"zero got {x}"
+
+    @on_rank([1], broadcast_result=True)
+    def from_one():
+        return {"made on": dist.get_rank(), "tensor": torch.arange(3)}
+
+    @on_rank([0, 1], barrier=True)
+    def both():
+        return dist.get_rank()
+
+    @on_rank(0, broadcast_result=True)
+    def nested():
+        inner = on_rank(0)(lambda: "inner ran")()  # runs locally: no exchange inside restricted code
+        skipped = on_rank(1)(lambda: "never")()
+        try:
+            any_rank(True)
+            collective = "no error"
+        except RuntimeError as exc:
+            collective = str(exc)
+        return inner, skipped, collective
+
+    initialize_ddp(timeout=PG_TIMEOUT, backend="gloo")
+    out = {
+        "zero": zero(7),
+        "from_one": from_one(),
+        "both": both(),
+        "nested": nested(),
+        "any": (any_rank(rank == 1), any_rank(False)),
+        "all": (all_ranks(rank == 1), all_ranks(True)),
+        "log": log,
+        "same side group": _collectives.side_group() is _collectives.side_group(),
+    }
+    # Last, as it leaves the group unusable: a barrier that rank 1 never
+    # reaches names rank 1 (gloo's monitored_barrier), not a bare timeout.
+    side = _collectives.side_group()
+    if rank == 0:
+        try:
+            _collectives.monitored_barrier(side, timeout=timedelta(seconds=3))
+            out["barrier"] = "passed"
+        except RuntimeError as exc:
+            out["barrier"] = str(exc)
+    else:
+        import time
+
+        time.sleep(6)  # alive but absent: rank 0's barrier times out meanwhile
+    return out
+
+
+def test_happy_paths_and_a_barrier_that_names_the_missing_rank():
+    r0, r1 = run_distributed(_happy_paths, nprocs=2, init=False, timeout=DEADLINE)
+    assert r0["zero"] == "zero got 7" and r1["zero"] is None
+    assert r0["log"] == [("zero", 7)] and r1["log"] == []
+    for r in (r0, r1):
+        assert r["from_one"]["made on"] == 1 and r["from_one"]["tensor"].tolist() == [0, 1, 2]
+        assert r["nested"][:2] == ("inner ran", None)
+        assert "inside an on_rank function" in r["nested"][2]
+        assert r["any"] == (True, False) and r["all"] == (False, True)
+        assert r["same side group"]
+    assert (r0["both"], r1["both"]) == (0, 1)
+    assert "1" in r0["barrier"] and "monitoredBarrier" in r0["barrier"], r0["barrier"]
+
+
+def _caught(fn):
+    """Call fn; describe what it raised in plain picklable data."""
+    try:
+        return ("returned", fn())
+    except BaseException as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc),
+                getattr(exc, "ranks", None))
+
+
+def _failures(rank, world):
+    """Failure scenarios in sequence on 2 or 3 ranks; every rank must see every failure."""
+    last = world - 1
+
+    @on_rank(0)
+    def fails_on_zero():
+        raise ValueError("bad value on zero")
+
+    @on_rank(last, barrier=True)
+    def fails_on_last_with_barrier():
+        raise DiskFullError(28, "no space left for the checkpoint")
+
+    @on_rank([0, last])
+    def fails_on_both():
+        raise KeyError(f"key{rank}")
+
+    @on_rank([0, last])
+    def fails_on_last_only():
+        if rank == last:
+            raise LookupError("only the last one")
+        return "fine"
+
+    @on_rank(last, broadcast_result=True)
+    def broadcast_then_fail():
+        raise ZeroDivisionError("in broadcast")
+
+    @on_rank(0, broadcast_result=True)
+    def unpicklable_result():
+        import threading
+
+        return threading.Lock()
+
+    @on_rank(world)
+    def out_of_range():
+        return "ran"
+
+    @on_rank([0, -1])
+    def negative():
+        return "ran"
+
+    @on_rank(last, broadcast_result=True)
+    def still_aligned():
+        return f"hello from {rank}"
+
+    def except_value_error():
+        try:
+            fails_on_zero()
+        except ValueError:
+            return "caught as ValueError"
+
+    return {
+        "zero": _caught(fails_on_zero),
+        "except": _caught(except_value_error),
+        "last": _caught(fails_on_last_with_barrier),
+        "both": _caught(fails_on_both),
+        "last only": _caught(fails_on_last_only),
+        "broadcast": _caught(broadcast_then_fail),
+        "unpicklable": _caught(unpicklable_result),
+        "out of range": _caught(out_of_range),
+        "negative": _caught(negative),
+        "aligned": _caught(still_aligned),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_failure_raises_on_every_rank(world):
+    results = run_distributed(_failures, nprocs=world, args=(world,), timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    last = world - 1
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), getattr(r, "remote_traceback", r)
+
+        kind, name, mro, text, ranks = r["zero"]
+        assert kind == "raised" and "ValueError" in mro
+        if rank == 0:
+            assert (name, text) == ("ValueError", "bad value on zero")  # its own exception
+        else:
+            assert name == "RankFailedError[ValueError]" and ranks == (0,)
+            assert text.startswith("_failures.<locals>.fails_on_zero failed on rank 0 (cpu, pid ")
+            assert "ValueError: bad value on zero" in text
+            assert 'raise ValueError("bad value on zero")' in text  # the remote traceback
+        assert r["except"] == ("returned", "caught as ValueError")
+
+        kind, name, mro, text, ranks = r["last"]
+        assert "DiskFullError" in mro and "OSError" in mro
+        assert (name == "DiskFullError") == (rank == last)
+        assert rank == last or ranks == (last,) and "no space left" in text
+
+        kind, name, mro, text, ranks = r["both"]
+        assert "KeyError" in mro
+        if rank in (0, last):
+            assert name == "KeyError" and text == f"'key{rank}'"
+        else:
+            assert ranks == (0, last) and "'key0'" in text and f"'key{last}'" in text
+
+        kind, name, mro, text, ranks = r["last only"]
+        assert kind == "raised" and "LookupError" in mro  # rank 0 succeeded, yet raises too
+        assert rank == last or ranks == (last,)
+
+        assert "ZeroDivisionError" in r["broadcast"][2]
+
+        kind, name, mro, text, ranks = r["unpicklable"]
+        assert "TypeError" in mro and "cannot be pickled" in text and "broadcast_result=True" in text
+
+        for key, bad in (("out of range", str(world)), ("negative", "-1")):
+            kind, name, mro, text, ranks = r[key]
+            assert name == "ValueError" and f"rank must be in [0, {world})" in text and bad in text
+
+        assert r["aligned"] == ("returned", f"hello from {last}")
+
+
+def _main_first(rank, shared_dir):
+    import time
+    from pathlib import Path
+
+    shared = Path(shared_dir)
+    out = {}
+
+    # Ordering: rank 0 writes, the others read; rank 0 leaves after they did.
+    with main_process_first():
+        if rank == 0:
+            time.sleep(0.5)  # were the others not waiting, they would find no file
+            (shared / "data.txt").write_text("preprocessed")
+        else:
+            out["read"] = (shared / "data.txt").read_text()
+            (shared / f"seen{rank}").touch()
+    out["markers after"] = sorted(p.name for p in shared.glob("seen*"))
+
+    ran_block = []
+
+    def rank_zero_fails():
+        with main_process_first():
+            ran_block.append(rank)
+            if rank == 0:
+                raise FileNotFoundError("download failed")
+
+    def rank_one_fails():
+        with main_process_first():
+            if rank == 1:
+                raise ValueError("bad cache on one")
+
+    def nested_in_on_rank():
+        @on_rank(0)
+        def f():
+            with main_process_first():
+                pass
+
+        f()
+
+    out["zero fails"] = _caught(rank_zero_fails)
+    out["ran block"] = ran_block
+    out["one fails"] = _caught(rank_one_fails)
+    out["nested"] = _caught(nested_in_on_rank)
+    out["aligned"] = any_rank(rank == 2)
+    return out
+
+
+def test_main_process_first_orders_and_fails_together(tmp_path):
+    results = run_distributed(_main_first, nprocs=3, args=(str(tmp_path),), timeout=DEADLINE,
+                              pg_timeout=PG_TIMEOUT)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), getattr(r, "remote_traceback", r)
+        if rank:
+            assert r["read"] == "preprocessed"
+        if rank == 0:
+            assert r["markers after"] == ["seen1", "seen2"]
+
+        kind, name, mro, text, ranks = r["zero fails"]
+        assert "FileNotFoundError" in mro
+        if rank == 0:
+            assert name == "FileNotFoundError" and r["ran block"] == [0]
+        else:
+            assert ranks == (0,) and "download failed" in text
+            assert r["ran block"] == []  # they raised instead of running their block
+
+        kind, name, mro, text, ranks = r["one fails"]
+        assert "ValueError" in mro  # rank 0 (already past its block) and rank 2 too
+        assert rank == 1 and name == "ValueError" or ranks == (1,)
+
+        kind, name, mro, text, ranks = r["nested"]
+        assert "RuntimeError" in mro and "main_process_first" in text
+        assert r["aligned"] is True
+
+
+def _dies(rank):
+    import os
+
+    @on_rank(1)
+    def crash():
+        os._exit(3)
+
+    try:
+        crash()
+    except RuntimeError as exc:
+        return str(exc), getattr(exc, "__notes__", [])
+    return "returned"
+
+
+def test_a_rank_that_dies_does_not_leave_the_others_waiting():
+    # The group's timeout is far beyond the deadline: rank 0 must learn of
+    # the death from the closed connection, not from a timeout.
+    r0, r1 = run_distributed(_dies, nprocs=2, timeout=DEADLINE, pg_timeout=3600)
+    assert isinstance(r1, RemoteFailure) and "exitcode 3" in str(r1)
+    message, notes = r0
+    assert any("exchanged the status of _dies.<locals>.crash" in n for n in notes), r0
