@@ -47,6 +47,10 @@ from .utils.parallel import (
     unwrap_parallel_model,
 )
 from .utils.parallel import dispatch_model, plan_device_map
+from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
+from .errors import CheckpointError, CheckpointMismatchError, MissingExtraError, NonFiniteLossError
+from .handler import NNHandler
+from .history import History
 
 __version__ = "0.1.0"
 
@@ -95,4 +99,15 @@ __all__ = [
     "get_recommended_batch_size",
     "dispatch_model",
     "plan_device_map",
+    # nn_handler.handler
+    "NNHandler",
+    "History",
+    "Callback",
+    "EarlyStopping",
+    "ModelCheckpoint",
+    "CSVLogger",
+    "NonFiniteLossError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "MissingExtraError",
 ]

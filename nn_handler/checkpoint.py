@@ -149,7 +149,8 @@ def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refuses arbitrary classes; say so instead of torch's long hint.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = [ln for ln in str(exc).splitlines() if "Unsupported global" in ln] or str(exc).splitlines() or [""]
+        first = lines[0].replace("WeightsUnpickler error:", "").strip()
         raise CheckpointError(
             f"checkpoint {path} holds objects that torch.load(weights_only=True) refuses "
             f"(only tensors and plain Python values are allowed): {first}"

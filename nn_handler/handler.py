@@ -1,0 +1,930 @@
+"""NNHandler: one training class for CPU, one GPU, and DDP jobs (torchrun, SLURM, mpirun).
+
+The handler orchestrates; it owns no process code. Distributed setup comes
+from :func:`~nn_handler.utils.ddp.initialize_ddp`, model wrapping and data
+sharding from :func:`~nn_handler.utils.parallel.prepare_model` and
+:func:`~nn_handler.utils.parallel.prepare_dataloader`, checkpoint files from
+:mod:`nn_handler.checkpoint`, and :meth:`NNHandler.launch` runs on the
+worker pool behind :class:`~nn_handler.ParallelExecutor`.
+
+Collectives per epoch, beyond DDP's own gradient all-reduce: one all-reduce
+of the epoch's sums (losses, metrics, sample counts, timings, memory, the
+first non-finite step), one for the stop flag, and, with validation, nothing
+more. Per training step the loop makes no collective and, in a distributed
+run, reads no value back from the device.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from nn_handler import NNHandler
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> X, y = torch.randn(64, 4), torch.randn(64, 1)
+    >>> handler = NNHandler(nn.Linear(4, 1), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1})
+    >>> handler.set_train_loader((X, y), batch_size=16)
+    >>> history = handler.train(3, progress=False)
+    >>> len(history["train_loss"]), history["train_loss"][-1] < history["train_loss"][0]
+    (3, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+
+from . import _training as T
+from .callbacks import Callback
+from .checkpoint import FORMAT, atomic_save, capture_rng_state, load_payload, load_weights, restore_rng_state
+from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
+from .history import History
+from .utils.ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device, should_use_distributed
+from .utils.parallel import MultiGPUConfig, prepare_dataloader, prepare_model, unwrap_parallel_model
+
+__all__ = ["NNHandler"]
+
+log = logging.getLogger(__name__)
+
+_DDP_KEYS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb", "broadcast_buffers")
+_DEFAULT_BATCH_SIZE = 32
+_BAR_REFRESH_S = 0.5  # how often the progress bar reads the loss back from the device
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+class NNHandler:
+    """Train, evaluate, predict and checkpoint a model, the same way on one process or many.
+
+    Under a launcher that started several processes (``torchrun``, ``srun``,
+    ``mpirun``), or inside an existing process group, the model is wrapped in
+    ``DistributedDataParallel`` and every loader gets a ``DistributedSampler``;
+    losses and metrics are averaged over all ranks weighted by sample count,
+    so the History is identical on every rank and equals what one process
+    would report on the same data.
+
+    Args:
+        model: The model (moved to ``device``; a wrapped model is unwrapped first).
+        optimizer: An optimizer instance, or an optimizer class (or any
+            ``callable(params, **optimizer_kwargs)``) to build over the model's parameters.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
+        device: ``"auto"`` (this rank's GPU, else CPU) or anything
+            :func:`~nn_handler.resolve_device` accepts.
+        use_distributed: ``None`` follows the launch environment, ``False``
+            forces a single process, ``True`` asks for DDP (a warning says why not).
+        scheduler: An LR scheduler instance, or a class built with
+            ``scheduler_kwargs``; stepped once per epoch (``ReduceLROnPlateau``
+            gets ``val_loss``, else ``train_loss``).
+        metrics: ``{"name": fn(outputs, targets) -> float}``; recorded as
+            ``train_<name>`` and ``val_<name>``, averaged per sample.
+        amp: Autocast: bf16 on CPU, fp16 with a ``GradScaler`` on CUDA.
+        grad_accum_steps: Micro-batches per optimizer step (the loss is divided
+            by it). Under DDP, non-final micro-steps skip the all-reduce
+            (``no_sync``). The last group of an epoch may be shorter.
+        clip_grad_norm: Clip the gradients' total norm to this value before each step.
+        sync_batchnorm: Under DDP, convert BatchNorm layers to ``SyncBatchNorm``.
+        ddp_kwargs: Passed to ``DistributedDataParallel``: ``find_unused_parameters``,
+            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``.
+        seed: Seeds ``torch``, ``random`` and NumPy now, and the
+            ``DistributedSampler``'s shuffling (0 when not given).
+        optimizer_kwargs: Keyword arguments when ``optimizer`` is a class.
+        scheduler_kwargs: Keyword arguments when ``scheduler`` is a class.
+        callbacks: :class:`~nn_handler.callbacks.Callback` objects.
+        finite_check_every: Check the loss for NaN/inf every this many
+            batches. By default every batch in a single process (before the
+            backward pass, so no bad step is taken) and once per epoch in a
+            distributed run (folded into the epoch's all-reduce, so no extra
+            collective); a value here adds one small collective every that
+            many batches there.
+
+    Attributes:
+        model: The model as trained (wrapped in DDP when distributed).
+        module: The model itself, unwrapped (for saving and inspection).
+        history: The :class:`~nn_handler.History` of completed epochs.
+        epoch: Completed epochs (resumes from checkpoints).
+        global_step: Optimizer steps taken.
+        stop_training: Set to True (by a callback) to stop after the current epoch.
+        distributed, rank, world_size, device: Where this process runs.
+
+    Raises:
+        ConfigurationError: ``grad_accum_steps`` < 1, a non-positive
+            ``clip_grad_norm``, unknown ``ddp_kwargs``, metrics that are not
+            callables, an optimizer that holds none of the model's parameters.
+
+    Example:
+        >>> from torch import nn
+        >>> NNHandler(nn.Linear(2, 1), grad_accum_steps=0)
+        Traceback (most recent call last):
+        ...
+        nn_handler.errors.ConfigurationError: grad_accum_steps must be an int >= 1, got 0
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        loss_fn: Callable | None = None,
+        *,
+        device: Any = "auto",
+        use_distributed: bool | None = None,
+        scheduler: Any = None,
+        metrics: Mapping[str, Callable] | None = None,
+        amp: bool = False,
+        grad_accum_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        sync_batchnorm: bool = False,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        scheduler_kwargs: Mapping[str, Any] | None = None,
+        callbacks: list[Callback] | None = None,
+        finite_check_every: int | None = None,
+    ):
+        self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not clip_grad_norm > 0):
+            raise ConfigurationError(f"clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}")
+        self.clip_grad_norm = clip_grad_norm
+        self.finite_check_every = (None if finite_check_every is None
+                                   else _positive_int("finite_check_every", finite_check_every))
+        self.metrics = self._check_metrics(metrics)
+        unknown = sorted(set(ddp_kwargs or {}) - set(_DDP_KEYS))
+        if unknown:
+            raise ConfigurationError(f"unknown ddp_kwargs {unknown}; allowed: {', '.join(_DDP_KEYS)}")
+        self.seed = seed
+        if seed is not None:
+            _seed_everything(seed)
+
+        self.distributed = should_use_distributed(use_distributed)
+        if self.distributed and not is_distributed():
+            initialize_ddp()
+        self.rank = get_rank() if self.distributed else 0
+        self.world_size = get_world_size() if self.distributed else 1
+        self.device = resolve_device(device)
+        self.amp = bool(amp)
+        self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
+                                        sync_bn=bool(sync_batchnorm), **dict(ddp_kwargs or {}))
+        # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp and self.device.type == "cuda" else None
+
+        self.history = History()
+        self.epoch = 0
+        self.global_step = 0
+        self.stop_training = False
+        self.callbacks: list[Callback] = []
+        for cb in callbacks or []:
+            self.add_callback(cb)
+        self.train_loader: DataLoader | None = None
+        self.val_loader: DataLoader | None = None
+        self.model: nn.Module
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.loss_fn: Callable | None = None
+        self._optimizer_factory: Callable | None = None
+        self.set_model(model)
+        if optimizer is not None:
+            self.set_optimizer(optimizer, **dict(optimizer_kwargs or {}))
+        elif optimizer_kwargs:
+            raise ConfigurationError("optimizer_kwargs were given without an optimizer class")
+        if loss_fn is not None:
+            self.set_loss_fn(loss_fn)
+        if scheduler is not None:
+            self.set_scheduler(scheduler, **dict(scheduler_kwargs or {}))
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _check_metrics(metrics) -> dict[str, Callable]:
+        if metrics is None:
+            return {}
+        if not isinstance(metrics, Mapping):
+            raise ConfigurationError(f"metrics must be a dict of name -> fn(outputs, targets), got {type(metrics).__name__}")
+        for name, fn in metrics.items():
+            if not isinstance(name, str) or not callable(fn):
+                raise ConfigurationError(f"metric {name!r} must map a str to a callable fn(outputs, targets), got {fn!r}")
+        return dict(metrics)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return unwrap_parallel_model(self.model)
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on rank 0 (and in a single process)."""
+        return self.rank == 0
+
+    def set_model(self, model: nn.Module) -> None:
+        """Use ``model`` from now on: moved to the device and, under DDP, wrapped.
+
+        An optimizer given as a class is rebuilt over the new parameters; an
+        optimizer instance must be replaced with :meth:`set_optimizer`.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
+        if self._optimizer_factory is not None:
+            self.optimizer = self._build_optimizer(self._optimizer_factory)
+        elif self.optimizer is not None:
+            log.warning("set_model: the optimizer instance still holds the previous model's parameters; "
+                        "call set_optimizer with a new one")
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _build_optimizer(self, factory: Callable) -> torch.optim.Optimizer:
+        params = self._trainable()
+        if not params:
+            raise ConfigurationError(
+                f"{type(self.module).__name__} has no trainable parameters, so there is nothing to optimize"
+            )
+        return factory(params)
+
+    def set_optimizer(self, optimizer: Any, **optimizer_kwargs: Any) -> None:
+        """Use an optimizer instance, or build one from a class and ``optimizer_kwargs``.
+
+        Example:
+            >>> import torch
+            >>> h = NNHandler(torch.nn.Linear(2, 1))
+            >>> h.set_optimizer(torch.optim.Adam, lr=1e-3)
+            >>> type(h.optimizer).__name__
+            'Adam'
+        """
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer_kwargs:
+                raise ConfigurationError("optimizer_kwargs only apply when the optimizer is given as a class")
+            mine = {id(p) for p in self.module.parameters()}
+            theirs = [p for group in optimizer.param_groups for p in group["params"]]
+            if not any(id(p) in mine for p in theirs):
+                raise ConfigurationError(
+                    "the optimizer holds none of the model's parameters (was it built for another model?); "
+                    "pass the optimizer class instead, e.g. optimizer=torch.optim.SGD, optimizer_kwargs={'lr': 0.1}"
+                )
+            self._optimizer_factory = None
+            self.optimizer = optimizer
+        elif callable(optimizer):
+            kwargs = dict(optimizer_kwargs)
+            self._optimizer_factory = lambda params: optimizer(params, **kwargs)
+            self.optimizer = self._build_optimizer(self._optimizer_factory)
+        else:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a class, got {type(optimizer).__name__}")
+
+    def set_loss_fn(self, loss_fn: Callable) -> None:
+        """Use ``loss_fn(outputs, targets) -> scalar tensor``."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+
+    def set_scheduler(self, scheduler: Any, **scheduler_kwargs: Any) -> None:
+        """Use an LR scheduler instance, or build one from a class over the current optimizer; None removes it."""
+        if scheduler is None:
+            self.scheduler = None
+            return
+        if isinstance(scheduler, type):
+            if self.optimizer is None:
+                raise ConfigurationError("set an optimizer before building a scheduler from a class")
+            scheduler = scheduler(self.optimizer, **scheduler_kwargs)
+        elif scheduler_kwargs:
+            raise ConfigurationError("scheduler_kwargs only apply when the scheduler is given as a class")
+        if not (hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")):
+            raise TypeError(f"scheduler must be an LR scheduler, got {type(scheduler).__name__}")
+        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise ConfigurationError("the scheduler was built for another optimizer than this handler's")
+        self.scheduler = scheduler
+
+    def add_callback(self, callback: Callback) -> None:
+        """Attach a :class:`~nn_handler.callbacks.Callback`."""
+        if not isinstance(callback, Callback):
+            raise TypeError(f"callbacks must be nn_handler.Callback instances, got {type(callback).__name__}")
+        self.callbacks.append(callback)
+
+    def set_train_loader(self, data: Any, **loader_kwargs: Any) -> None:
+        """Training data: a ``DataLoader``, a ``Dataset`` or a tuple of tensors.
+
+        A ``Dataset`` is wrapped in ``DataLoader(data, batch_size=32,
+        shuffle=True, **loader_kwargs)``. Under DDP the loader is rebuilt with
+        a ``DistributedSampler`` (same batch size, collate function, workers,
+        pin memory, drop_last) and ``set_epoch`` is called every epoch.
+        """
+        self.train_loader = self._make_loader(data, loader_kwargs, shuffle=True)
+
+    def set_val_loader(self, data: Any, **loader_kwargs: Any) -> None:
+        """Validation data, as :meth:`set_train_loader` (not shuffled); every sample counts exactly once."""
+        self.val_loader = self._make_loader(data, loader_kwargs, shuffle=False)
+
+    def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
+        if isinstance(data, DataLoader):
+            if loader_kwargs:
+                raise ConfigurationError(
+                    f"loader settings {sorted(loader_kwargs)} only apply to a Dataset; "
+                    f"the given DataLoader keeps its own"
+                )
+            loader = data
+        else:
+            if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+                data = TensorDataset(*data)
+            if not isinstance(data, Dataset):
+                raise TypeError(
+                    f"data must be a DataLoader, a Dataset or a tuple of tensors, got {type(data).__name__}"
+                )
+            kwargs = {"batch_size": _DEFAULT_BATCH_SIZE, **loader_kwargs}
+            if not isinstance(data, IterableDataset):
+                kwargs.setdefault("shuffle", shuffle)
+            loader = DataLoader(data, **kwargs)
+        # Evaluation order does not matter, and unshuffled shards keep the
+        # padding DistributedSampler adds at the end, where it is cut off.
+        return prepare_dataloader(loader, self._parallel, shuffle=None if shuffle else False,
+                                  seed=self.seed if self.seed is not None else 0)
+
+    def _check_ready(self) -> None:
+        if self.train_loader is None:
+            raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
+        if self.loss_fn is None:
+            raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn() before train()")
+        if not self._trainable():
+            raise ConfigurationError(
+                f"{type(self.module).__name__} has no trainable parameters, so there is nothing to train"
+            )
+        if self.optimizer is None:
+            raise ConfigurationError(
+                "no optimizer: pass optimizer= (an instance, or a class with optimizer_kwargs) "
+                "or call set_optimizer() before train()"
+            )
+        _check_not_empty(self.train_loader, "training")
+        if self.val_loader is not None:
+            _check_not_empty(self.val_loader, "validation")
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, epochs: int, *, validate_every: int = 1, progress: bool = True) -> History:
+        """Train until ``epochs`` epochs are complete, validating every ``validate_every`` epochs.
+
+        ``epochs`` counts from the start of training, not from this call: a
+        handler resumed from a checkpoint after epoch 2 and asked for
+        ``train(4)`` runs epochs 3 and 4, so rerunning an interrupted script
+        finishes the job instead of starting over.
+
+        Args:
+            epochs: The epoch to train up to (>= 1).
+            validate_every: Validate after every this many epochs (needs a
+                validation loader; >= 1).
+            progress: One tqdm bar per epoch on the main process.
+
+        Returns:
+            The History (all epochs, including those before a resume).
+
+        Raises:
+            ConfigurationError: No training data, loss function or optimizer; a
+                model without trainable parameters; an empty dataset or a
+                loader that yields no batches.
+            NonFiniteLossError: The loss became NaN or infinite (on every rank).
+        """
+        epochs = _positive_int("epochs", epochs)
+        validate_every = _positive_int("validate_every", validate_every)
+        self._check_ready()
+        if self.epoch >= epochs:
+            log.warning("train(%d): %d epochs are already complete; nothing to do", epochs, self.epoch)
+            return self.history
+        self.stop_training = False
+        for cb in self.callbacks:
+            cb.on_train_begin(self)
+        while self.epoch < epochs:
+            self._run_epoch(epochs, validate_every, progress)
+            # Agree, so that a callback that stopped one rank stops them all
+            # after the same epoch (the next epoch's collectives would hang).
+            if self._any_rank(self.stop_training):
+                self.stop_training = True
+                break
+        for cb in self.callbacks:
+            cb.on_train_end(self)
+        return self.history
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not (self.distributed and is_distributed()):
+            return bool(flag)
+        totals, _ = T.reduce_over_ranks([float(bool(flag))], [], self.device, self.distributed)
+        return totals[0] > 0
+
+    def _run_epoch(self, epochs: int, validate_every: int, progress: bool) -> None:
+        epoch = self.epoch + 1
+        for cb in self.callbacks:
+            cb.on_epoch_begin(self, epoch)
+        sampler = getattr(self.train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
+        lr = self.optimizer.param_groups[0]["lr"]
+        T.reset_peak_memory(self.device)
+        start = time.perf_counter()
+        train = self._train_epoch(epoch, epochs, progress)
+        train_time = time.perf_counter() - start
+        validate = self.val_loader is not None and epoch % validate_every == 0
+        val = self._eval_sums(self.val_loader) if validate else []
+        epoch_time = time.perf_counter() - start
+
+        mine = [train_time, epoch_time, T.peak_memory_mb(self.device), train["bad_step"], train["bad_value"]]
+        totals, ranks = T.reduce_over_ranks(train["sums"] + val, mine, self.device, self.distributed)
+        bad = [(r, int(v[3]), v[4]) for r, v in enumerate(ranks) if v[3] >= 0]
+        if bad:
+            self._raise_nonfinite(epoch, bad)
+
+        k = len(train["sums"])
+        row: dict[str, Any] = {"epoch": epoch, **self._means("train_", totals[:k])}
+        if validate:
+            val_logs = self._means("val_", totals[k:])
+            row.update(val_logs)
+            for cb in self.callbacks:
+                cb.on_validation_end(self, epoch, val_logs)
+        slowest_train = max(v[0] for v in ranks)
+        row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
+                   samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
+        row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
+        self._step_scheduler(row)
+        self.epoch = epoch
+        self.history.append(row)
+        if self.is_main_process:
+            log.info("epoch %d/%d: %s", epoch, epochs,
+                     " ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_"))))
+        for cb in self.callbacks:
+            cb.on_epoch_end(self, epoch, row)
+
+    def _means(self, prefix: str, sums: list[float]) -> dict[str, float]:
+        # sums: [loss_sum, sample_count, metric_sum...]
+        n = sums[1]
+        out = {f"{prefix}loss": sums[0] / n}
+        out.update({f"{prefix}{name}": s / n for name, s in zip(self.metrics, sums[2:])})
+        return out
+
+    def _step_scheduler(self, row: dict) -> None:
+        if self.scheduler is None:
+            return
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(row.get("val_loss", row["train_loss"]))
+        else:
+            self.scheduler.step()
+
+    def _train_epoch(self, epoch: int, epochs: int, progress: bool) -> dict[str, Any]:
+        model, loader, k = self.model, self.train_loader, self.grad_accum_steps
+        model.train()
+        try:
+            n_batches = len(loader)
+        except TypeError:  # an IterableDataset without __len__
+            n_batches = None
+        # Skipping the all-reduce needs to know which micro-step is the last
+        # of an epoch; without a length every micro-step synchronizes.
+        no_sync = isinstance(model, DistributedDataParallel) and k > 1 and n_batches is not None
+        check_each_step = not self.distributed and self.finite_check_every in (None, 1)
+        check_every = None if check_each_step else self.finite_check_every
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
+        metric_values: list[list] = [[] for _ in self.metrics]
+        bar = self._progress_bar(epoch, epochs, n_batches) if progress and self.is_main_process else None
+        bar_mark, bar_time = 0, time.perf_counter()
+        micro = 0
+        try:
+            for i, batch in enumerate(loader):
+                for cb in self.callbacks:
+                    cb.on_batch_begin(self, i)
+                inputs, targets = T.split_batch(T.to_device(batch, self.device))
+                if targets is None:
+                    raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
+                micro += 1
+                boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
+                with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
+                    with T.autocast_context(self.device, self.amp):
+                        outputs = model(inputs)
+                        loss = self.loss_fn(outputs, targets)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise ConfigurationError(
+                            f"loss_fn must return a scalar tensor (mean over the batch), got "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                        )
+                    if check_each_step and not torch.isfinite(loss):
+                        raise NonFiniteLossError(epoch, i, float(loss))
+                    scaled = loss / k if k > 1 else loss
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                if boundary:
+                    self._optimizer_step()
+                    micro = 0
+                detached = loss.detach()
+                losses.append(detached)
+                sizes.append(T.batch_size_of(inputs, targets))
+                if self.metrics:
+                    with torch.no_grad():
+                        out = outputs.detach()
+                        for values, fn in zip(metric_values, self.metrics.values()):
+                            values.append(fn(out, targets))
+                for cb in self.callbacks:
+                    cb.on_batch_end(self, i, detached)
+                if check_every and (i + 1) % check_every == 0:
+                    self._raise_if_nonfinite(losses, epoch)
+                if bar is not None:
+                    bar.update(1)
+                    now = time.perf_counter()
+                    if now - bar_time >= _BAR_REFRESH_S:
+                        recent = torch.stack(losses[bar_mark:]).float().mean().item()
+                        rate = sum(sizes[bar_mark:]) * self.world_size / (now - bar_time)
+                        bar.set_postfix(loss=f"{recent:.4g}", samples_s=f"{rate:.0f}", refresh=False)
+                        bar_mark, bar_time = len(losses), now
+            if micro:  # an unsized loader ended inside an accumulation group
+                self._optimizer_step()
+        finally:
+            if bar is not None:
+                bar.close()
+        if not losses:
+            raise ConfigurationError(
+                "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
+                "batch_size, or fewer samples than ranks?)"
+            )
+        stacked = torch.stack(losses).to(torch.float64)
+        weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
+        sums = [(stacked * weights).sum(), float(sum(sizes))]
+        sums += [_weighted_sum(values, weights) for values in metric_values]
+        bad_step, bad_value = _first_nonfinite(stacked)
+        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value}
+
+    def _raise_if_nonfinite(self, losses: list[torch.Tensor], epoch: int) -> None:
+        step, value = _first_nonfinite(torch.stack(losses))
+        _, ranks = T.reduce_over_ranks([], [step, value], self.device, self.distributed)
+        bad = [(r, int(v[0]), v[1]) for r, v in enumerate(ranks) if v[0] >= 0]
+        if bad:
+            self._raise_nonfinite(epoch, bad)
+
+    def _raise_nonfinite(self, epoch: int, bad: list[tuple[int, int, float]]) -> None:
+        """Raise for the earliest ``(rank, step, value)``; the same error on every rank."""
+        step = min(s for _, s, _ in bad)
+        value = next(v for _, s, v in bad if s == step)
+        # Name the ranks where it started: through the gradient all-reduce a
+        # NaN on one rank reaches every rank's weights one step later.
+        ranks = [r for r, s, _ in bad if s == step] if self.distributed else ()
+        raise NonFiniteLossError(epoch, step, value, ranks)
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            if self.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if self.clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+
+    def _progress_bar(self, epoch: int, epochs: int, total: int | None):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", dynamic_ncols=True, leave=True)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _eval_sums(self, loader: DataLoader) -> list:
+        """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
+        if self.loss_fn is None:
+            raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
+        module = self.module
+        was_training = module.training
+        module.eval()
+        real = T.real_sample_count(loader)
+        losses, sizes = [], []
+        metric_values: list[list] = [[] for _ in self.metrics]
+        seen = 0
+        try:
+            # The unwrapped module: DDP's forward is not needed without
+            # gradients, and avoiding it keeps evaluation free of collectives.
+            with torch.no_grad(), T.autocast_context(self.device, self.amp):
+                for batch in loader:
+                    inputs, targets = T.split_batch(T.to_device(batch, self.device))
+                    if targets is None:
+                        raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
+                    n = T.batch_size_of(inputs, targets)
+                    keep = n if real is None else min(n, real - seen)
+                    seen += n
+                    if keep <= 0:
+                        break  # only DistributedSampler padding is left
+                    outputs = module(inputs)
+                    if keep < n:
+                        outputs, targets = T.head(outputs, keep), T.head(targets, keep)
+                    losses.append(self.loss_fn(outputs, targets).detach())
+                    sizes.append(keep)
+                    for values, fn in zip(metric_values, self.metrics.values()):
+                        values.append(fn(outputs, targets))
+        finally:
+            module.train(was_training)
+        if not losses:
+            return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(self.metrics)
+        stacked = torch.stack(losses).to(torch.float64)
+        weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
+        return [(stacked * weights).sum(), float(sum(sizes))] + [_weighted_sum(v, weights) for v in metric_values]
+
+    def evaluate(self, data: Any = None) -> dict[str, float]:
+        """Loss and metrics over ``data`` (or the validation loader), every sample counted once over all ranks.
+
+        Returns:
+            ``{"loss": ..., "<metric>": ...}``, identical on every rank.
+
+        Raises:
+            ConfigurationError: No data given and no validation loader set, no
+                loss function, or no samples.
+        """
+        if data is None:
+            if self.val_loader is None:
+                raise ConfigurationError("evaluate() needs data, or a validation loader set with set_val_loader()")
+            loader = self.val_loader
+        else:
+            loader = self._make_loader(data, {}, shuffle=False)
+        _check_not_empty(loader, "evaluation")
+        totals, _ = T.reduce_over_ranks(self._eval_sums(loader), [], self.device, self.distributed)
+        if totals[1] == 0:
+            raise ConfigurationError("evaluate(): the data yielded no samples")
+        return {k.removeprefix("val_"): v for k, v in self._means("val_", totals).items()}
+
+    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
+        """Model outputs for every sample of ``data``, in input order, on CPU.
+
+        Under DDP each rank predicts its shard; the shards are gathered with
+        their sample indices, so every rank returns the full result with each
+        sample exactly once, also when the dataset size does not divide by
+        the number of ranks.
+
+        Args:
+            data: A tensor of inputs, a tuple of tensors (the first is the
+                input), a ``Dataset`` or a ``DataLoader`` (its order and
+                batching settings are kept; shuffling is turned off).
+            batch_size: Batch size (default: the loader's, else 32).
+
+        Returns:
+            The concatenated outputs (the model must return a tensor).
+
+        Example:
+            >>> import torch
+            >>> h = NNHandler(torch.nn.Identity())
+            >>> h.predict(torch.arange(5.0).reshape(5, 1)).flatten().tolist()
+            [0.0, 1.0, 2.0, 3.0, 4.0]
+        """
+        loader = self._predict_loader(data, batch_size)
+        sampler = loader.sampler
+        real = T.real_sample_count(loader)
+        module = self.module
+        was_training = module.training
+        module.eval()
+        outputs = []
+        try:
+            with torch.no_grad(), T.autocast_context(self.device, self.amp):
+                for batch in loader:
+                    inputs, _ = T.split_batch(T.to_device(batch, self.device))
+                    out = module(inputs)
+                    if not isinstance(out, torch.Tensor):
+                        raise TypeError(f"predict() needs a model that returns a tensor, got {type(out).__name__}")
+                    outputs.append(out.detach().cpu())
+        finally:
+            module.train(was_training)
+        local = torch.cat(outputs) if outputs else None
+        if not isinstance(sampler, DistributedSampler) or not (self.distributed and is_distributed()):
+            if local is None:
+                raise ConfigurationError("predict(): the data yielded no samples")
+            return local
+        indices = list(iter(sampler))
+        count = real if real is not None else len(indices)
+        part = (indices[:count], local[:count] if local is not None else None)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, part)
+        return _assemble(parts, len(sampler.dataset))
+
+    def _predict_loader(self, data: Any, batch_size: int | None) -> DataLoader:
+        if batch_size is not None:
+            _positive_int("batch_size", batch_size)
+        if isinstance(data, torch.Tensor):
+            data = TensorDataset(data)
+        if isinstance(data, DataLoader):
+            loader = DataLoader(data.dataset, batch_size=batch_size or data.batch_size or _DEFAULT_BATCH_SIZE,
+                                shuffle=False, drop_last=False, collate_fn=data.collate_fn,
+                                num_workers=data.num_workers, pin_memory=data.pin_memory)
+            return prepare_dataloader(loader, self._parallel, shuffle=False)
+        return self._make_loader(data, {"batch_size": batch_size or _DEFAULT_BATCH_SIZE, "drop_last": False},
+                                 shuffle=False)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, rng_states: list | None = None) -> dict[str, Any]:
+        """Everything :meth:`load_checkpoint` needs to continue exactly, as plain tensors and values.
+
+        Args:
+            rng_states: Every rank's random state, in rank order (gathered by
+                :meth:`save_checkpoint`); this rank's alone by default.
+        """
+        names: dict[str, int] = {}
+        callbacks = {}
+        for cb in self.callbacks:
+            name = type(cb).__qualname__
+            names[name] = names.get(name, 0) + 1
+            callbacks[name if names[name] == 1 else f"{name}#{names[name]}"] = cb.state_dict()
+        generator = getattr(getattr(self.train_loader, "sampler", None), "generator", None)
+        return {
+            "format": FORMAT,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "history": self.history.state_dict(),
+            "rng": rng_states if rng_states is not None else [capture_rng_state()],
+            "world_size": self.world_size,
+            "sampler_generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
+            "callbacks": callbacks,
+            "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
+        }
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write a full training checkpoint from rank 0, atomically; call it on every rank.
+
+        Holds the unwrapped model, optimizer, scheduler, grad scaler, epoch,
+        step, History, every rank's RNG states and the callbacks' state, as
+        tensors and plain values (loadable with ``torch.load(weights_only=True)``).
+        A crash during the write leaves the previous file at ``path`` intact.
+
+        Raises:
+            OSError: On rank 0, the write failed (``path`` is unchanged).
+            CheckpointError: On the other ranks, when rank 0's write failed.
+        """
+        rng = capture_rng_state()
+        rngs = [rng]
+        if self.distributed and is_distributed():
+            rngs = [None] * self.world_size
+            dist.all_gather_object(rngs, rng)  # each rank resumes with its own streams
+        payload = self.state_dict(rngs)
+        for cb in self.callbacks:
+            cb.on_save_checkpoint(self, payload)
+        self._write_on_main(payload, path, "checkpoint")
+
+    def _write_on_main(self, payload: Any, path, what: str) -> None:
+        error = None
+        if self.is_main_process:
+            try:
+                atomic_save(payload, path)
+            except Exception as exc:  # reported to every rank below, so none waits forever
+                error = exc
+        failed = self._any_rank(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"rank 0 could not write the {what} {path}; see rank 0's error")
+        if self.is_main_process:
+            log.info("saved %s %s", what, path)
+
+    def load_checkpoint(self, path: str | os.PathLike, resume: bool = True) -> int:
+        """Load a checkpoint written by :meth:`save_checkpoint`, on every rank.
+
+        Args:
+            path: The file.
+            resume: Restore the full training state (optimizer, scheduler,
+                scaler, epoch, step, History, RNG states, callbacks) so that
+                :meth:`train` continues exactly where the run stopped;
+                ``False`` loads the model weights only.
+
+        Returns:
+            The number of epochs the checkpoint had completed.
+
+        Raises:
+            CheckpointError: The file is missing, corrupt or truncated, or not
+                an nn_handler checkpoint.
+            CheckpointMismatchError: Its weights do not fit the model (the
+                message names the keys).
+        """
+        payload = load_payload(path)
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
+            raise CheckpointError(
+                f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
+            )
+        load_weights(self.module, payload["model"], source=str(path))
+        if not resume:
+            return int(payload["epoch"])
+        for name, part, target in (("optimizer", payload["optimizer"], self.optimizer),
+                                   ("scheduler", payload["scheduler"], self.scheduler),
+                                   ("scaler", payload["scaler"], self.scaler)):
+            if part is not None and target is None:
+                log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
+            elif part is not None:
+                target.load_state_dict(part)
+        self.epoch, self.global_step = int(payload["epoch"]), int(payload["global_step"])
+        self.history.load_state_dict(payload["history"])
+        rngs = payload["rng"]
+        if len(rngs) != self.world_size:
+            log.warning("%s was written by %d ranks, this run has %d; random streams will differ from an "
+                        "uninterrupted run", path, len(rngs), self.world_size)
+        restore_rng_state(rngs[self.rank % len(rngs)])
+        generator = getattr(getattr(self.train_loader, "sampler", None), "generator", None)
+        if payload.get("sampler_generator") is not None and isinstance(generator, torch.Generator):
+            generator.set_state(payload["sampler_generator"])
+        states = payload.get("callbacks", {})
+        names: dict[str, int] = {}
+        for cb in self.callbacks:
+            name = type(cb).__qualname__
+            names[name] = names.get(name, 0) + 1
+            key = name if names[name] == 1 else f"{name}#{names[name]}"
+            if key in states:
+                cb.load_state_dict(states[key])
+            cb.on_load_checkpoint(self, payload)
+        return self.epoch
+
+    def save_model(self, path: str | os.PathLike) -> None:
+        """Write the unwrapped model's ``state_dict`` alone, atomically, from rank 0; call it on every rank."""
+        self._write_on_main(self.module.state_dict(), path, "model")
+
+    def load_model(self, path: str | os.PathLike) -> None:
+        """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
+
+        Raises:
+            CheckpointError: A missing, corrupt or truncated file.
+            CheckpointMismatchError: Weights that do not fit the model (keys named).
+        """
+        payload = load_payload(path)
+        if isinstance(payload, dict) and payload.get("format") == FORMAT:
+            payload = payload["model"]
+        if not isinstance(payload, Mapping):
+            raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a state_dict")
+        load_weights(self.module, payload, source=str(path))
+
+    def plot_history(self, path: str | os.PathLike) -> None:
+        """Save a PNG of the loss and metric curves (main process only; others return at once).
+
+        Raises:
+            MissingExtraError: matplotlib is missing (``pip install 'nn_handler[plot]'``).
+            ValueError: No epoch has been trained yet.
+        """
+        if self.is_main_process:
+            self.history.plot(path)
+
+    def __repr__(self) -> str:
+        where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
+        return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
+
+
+def _check_not_empty(loader: DataLoader, what: str) -> None:
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = len(dataset)
+    except TypeError:
+        return  # an IterableDataset without a length: found out when it yields nothing
+    if size == 0:
+        raise ConfigurationError(f"the {what} dataset is empty (0 samples)")
+
+
+def _weighted_sum(values: list, weights: torch.Tensor) -> torch.Tensor:
+    t = torch.stack([torch.as_tensor(v).detach().reshape(()).to(weights.device, torch.float64) for v in values])
+    return (t * weights).sum()
+
+
+def _first_nonfinite(losses: torch.Tensor) -> tuple[int, float]:
+    """``(index, value)`` of the first NaN/inf entry, or ``(-1, 0.0)``."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if bad.numel() == 0:
+        return -1, 0.0
+    i = int(bad[0, 0])
+    return i, float(losses[i])
+
+
+def _assemble(parts: list, n: int) -> torch.Tensor:
+    """Put every rank's ``(indices, outputs)`` into one tensor in dataset order; each index exactly once."""
+    template = next((out for _, out in parts if out is not None and len(out)), None)
+    if template is None:
+        raise ConfigurationError("predict(): the data yielded no samples")
+    result = torch.empty((n, *template.shape[1:]), dtype=template.dtype)
+    filled = torch.zeros(n, dtype=torch.bool)
+    for indices, out in parts:
+        if not indices:
+            continue
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if filled[idx].any():
+            raise RuntimeError("predict(): a sample came back from two ranks; the sampler is not a partition")
+        result[idx] = out
+        filled[idx] = True
+    if not filled.all():
+        raise RuntimeError(f"predict(): {int((~filled).sum())} samples came back from no rank")
+    return result

@@ -1,0 +1,114 @@
+"""One small regression problem, NNHandler on it, and the same training as a plain hand-written loop.
+
+Imported by the handler tests (as ``scripts.handler_case``) and by the
+torchrun scripts next to it (as ``handler_case``). The reference loop sees
+what the DDP ranks see: for ``world_size`` ranks it walks the
+DistributedSampler shards of every rank side by side and averages their
+losses, which is what DDP's gradient all-reduce computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+IN, HIDDEN = 6, 16
+LR, MOMENTUM = 0.05, 0.9
+
+
+def make_data(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, IN, generator=g)
+    w = torch.randn(IN, 1, generator=g)
+    return X, X @ w + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(IN, HIDDEN), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(HIDDEN, 1))
+    return nn.Sequential(*layers)
+
+
+def mae(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).abs().mean()
+
+
+def make_handler(model=None, *, grad_accum_steps=1, seed=None, **kwargs):
+    from nn_handler import NNHandler
+
+    model = model if model is not None else make_model()
+    kwargs.setdefault("scheduler", torch.optim.lr_scheduler.StepLR)
+    kwargs.setdefault("scheduler_kwargs", {"step_size": 2, "gamma": 0.5})
+    return NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": LR, "momentum": MOMENTUM},
+                     metrics={"mae": mae}, grad_accum_steps=grad_accum_steps, seed=seed, device="cpu", **kwargs)
+
+
+def weights(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.state_dict().values()]).tolist()
+
+
+def weights_hash(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for key, tensor in model.state_dict().items():
+        h.update(key.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference_train(X, y, Xv, yv, *, epochs: int, batch_size: int, world_size: int = 1, grad_accum: int = 1,
+                    seed: int = 0) -> tuple[nn.Module, dict[str, list[float]]]:
+    """The hand-written loop: SGD with momentum, StepLR(2, 0.5), MSE, per-sample-weighted epoch means."""
+    model = make_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    mse = nn.MSELoss()
+    data = TensorDataset(X, y)
+    if world_size == 1:
+        loaders = [DataLoader(data, batch_size=batch_size, shuffle=True)]
+    else:
+        samplers = [DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=True, seed=seed)
+                    for r in range(world_size)]
+        loaders = [DataLoader(data, batch_size=batch_size, sampler=s) for s in samplers]
+    history: dict[str, list[float]] = {"train_loss": [], "train_mae": [], "val_loss": [], "val_mae": []}
+    for epoch in range(epochs):
+        if world_size > 1:
+            for s in samplers:
+                s.set_epoch(epoch)
+        model.train()
+        loss_sum = mae_sum = count = 0.0
+        batches = list(zip(*loaders))
+        for i, per_rank in enumerate(batches):
+            losses = []
+            for xb, yb in per_rank:
+                out = model(xb)
+                loss = mse(out, yb)
+                losses.append(loss)
+                loss_sum += loss.item() * len(xb)
+                mae_sum += mae(out.detach(), yb).item() * len(xb)
+                count += len(xb)
+            (sum(losses) / world_size / grad_accum).backward()
+            if (i + 1) % grad_accum == 0 or i + 1 == len(batches):
+                opt.step()
+                opt.zero_grad()
+        history["train_loss"].append(loss_sum / count)
+        history["train_mae"].append(mae_sum / count)
+        model.eval()
+        loss_sum = mae_sum = count = 0.0
+        with torch.no_grad():
+            # Iterated like any hand-written validation loop (each DataLoader
+            # iterator draws a seed from the global generator).
+            for xb, yb in DataLoader(TensorDataset(Xv, yv), batch_size=batch_size):
+                out = model(xb)
+                loss_sum += mse(out, yb).item() * len(xb)
+                mae_sum += mae(out, yb).item() * len(xb)
+                count += len(xb)
+        history["val_loss"].append(loss_sum / count)
+        history["val_mae"].append(mae_sum / count)
+        sched.step()
+    return model, history

@@ -1,0 +1,230 @@
+"""NNHandler in one process: equal to a hand-written loop, callbacks, AMP, predict, logging, progress, plots."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from nn_handler import NNHandler
+from nn_handler.callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
+from nn_handler.errors import MissingExtraError
+from scripts.handler_case import make_data, make_handler, make_model, reference_train, weights
+
+EPOCHS, BATCH = 3, 8
+
+
+@pytest.fixture
+def data():
+    X, y = make_data(96)
+    Xv, yv = make_data(37, seed=1)  # 37: the last validation batch is short
+    return X, y, Xv, yv
+
+
+@pytest.mark.parametrize("grad_accum", [1, 5])  # 12 batches: 5 leaves a short last group
+def test_same_history_and_weights_as_hand_written_loop(data, grad_accum):
+    X, y, Xv, yv = data
+    ref_model, ref_history = reference_train(X, y, Xv, yv, epochs=EPOCHS, batch_size=BATCH, grad_accum=grad_accum)
+
+    handler = make_handler(make_model(), grad_accum_steps=grad_accum)
+    handler.set_train_loader(TensorDataset(X, y), batch_size=BATCH)
+    handler.set_val_loader(TensorDataset(Xv, yv), batch_size=BATCH)
+    history = handler.train(EPOCHS, progress=False)
+
+    for key, values in ref_history.items():
+        assert history[key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+    assert weights(handler.module) == pytest.approx(weights(ref_model), abs=1e-6)
+    assert history["epoch"] == [1, 2, 3]
+    assert history["lr"] == pytest.approx([0.05, 0.05, 0.025])  # StepLR(2, 0.5), the lr used in each epoch
+    batches = math.ceil(96 / BATCH)
+    assert handler.global_step == EPOCHS * math.ceil(batches / grad_accum)
+    for row in history:
+        assert row["epoch_time"] > 0 and row["samples_per_sec"] > 0 and row["peak_mem_mb_rank0"] > 0
+
+
+def test_train_counts_epochs_from_the_start_and_continues(data):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.train(2, progress=False)
+    assert handler.train(2, progress=False)["epoch"] == [1, 2]  # already done: nothing runs
+    assert handler.train(3, progress=False)["epoch"] == [1, 2, 3]
+
+
+def test_amp_autocasts_to_bfloat16_on_cpu(data):
+    X, y, _, _ = data
+    model = make_model()
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    handler = make_handler(model, amp=True)
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    history = handler.train(2, progress=False)
+    assert set(seen) == {torch.bfloat16}
+    assert handler.scaler is None  # bf16 needs no loss scaling
+    assert history["train_loss"][1] < history["train_loss"][0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_clip_grad_norm_bounds_each_update(data):
+    X, y, _, _ = data
+    model = nn.Linear(6, 1)
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 1.0}, clip_grad_norm=1e-3)
+    handler.set_train_loader((X * 100, y * 100), batch_size=96, shuffle=False)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    handler.train(1, progress=False)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (after - before).norm().item() == pytest.approx(1e-3, rel=1e-3)  # lr 1 * clipped norm
+
+
+def test_predict_returns_outputs_in_input_order():
+    model = nn.Linear(3, 2)
+    X = torch.randn(11, 3)
+    handler = NNHandler(model)
+    expected = model(X).detach()
+    assert torch.allclose(handler.predict(X, batch_size=4), expected)
+    loader = DataLoader(TensorDataset(X, torch.zeros(11)), batch_size=5, shuffle=True)
+    assert torch.allclose(handler.predict(loader), expected)  # shuffling is turned off, order kept
+
+
+def test_evaluate_weights_every_sample_once(data):
+    _, _, Xv, yv = data
+    model = make_model()
+    handler = make_handler(model)
+    result = handler.evaluate(TensorDataset(Xv, yv))
+    with torch.no_grad():
+        assert result["loss"] == pytest.approx(nn.functional.mse_loss(model(Xv), yv).item(), rel=1e-6)
+        assert result["mae"] == pytest.approx((model(Xv) - yv).abs().mean().item(), rel=1e-6)
+
+
+def test_early_stopping_stops_at_the_patience_limit(data):
+    X, y, _, _ = data
+
+    class Fixed(Callback):  # feed EarlyStopping a scripted value through the History row
+        def on_epoch_end(self, handler, epoch, logs):
+            logs["score"] = [1.0, 0.5, 0.6, 0.7, 0.4][epoch - 1]
+
+    stopper = EarlyStopping("score", patience=2)
+    handler = make_handler(callbacks=[Fixed(), stopper])
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    history = handler.train(10, progress=False)
+    assert len(history) == 4 and stopper.stopped_epoch == 4 and handler.stop_training
+
+
+def test_early_stopping_names_a_missing_key(data):
+    X, y, _, _ = data
+    handler = make_handler(callbacks=[EarlyStopping("val_loss")])
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    with pytest.raises(ValueError, match="monitors 'val_loss'.*set_val_loader.*available: epoch, train_loss"):
+        handler.train(1, progress=False)
+
+
+def test_csv_logger_and_model_checkpoint(tmp_path, data):
+    X, y, Xv, yv = data
+    handler = make_handler(callbacks=[CSVLogger(tmp_path / "log.csv"),
+                                      ModelCheckpoint(tmp_path / "ckpt", monitor="val_loss", every_n_epochs=2)])
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.set_val_loader((Xv, yv), batch_size=BATCH)
+    history = handler.train(4, progress=False)
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
+    assert list(rows[0]) == history.keys()
+    assert [float(r["val_loss"]) for r in rows] == pytest.approx(history["val_loss"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0002.ckpt", "epoch=0004.ckpt", "last.ckpt"]
+
+
+def test_model_checkpoint_save_best_only(tmp_path, data):
+    X, y, Xv, yv = data
+    cb = ModelCheckpoint(tmp_path, monitor="val_loss", save_best_only=True, save_last=False)
+    handler = make_handler(callbacks=[cb])
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.set_val_loader((Xv, yv), batch_size=BATCH)
+    history = handler.train(3, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["best.ckpt"]
+    assert cb.best == min(history["val_loss"])
+
+
+def test_callback_hooks_run_in_order(data):
+    X, y, Xv, yv = data
+    calls = []
+
+    class Recorder(Callback):
+        def on_train_begin(self, handler):
+            calls.append("train_begin")
+
+        def on_epoch_begin(self, handler, epoch):
+            calls.append(f"epoch_begin{epoch}")
+
+        def on_batch_end(self, handler, step, loss):
+            assert loss.dim() == 0 and not loss.requires_grad
+            calls.append("batch")
+
+        def on_validation_end(self, handler, epoch, logs):
+            calls.append(f"val{epoch}:{sorted(logs)}")
+
+        def on_epoch_end(self, handler, epoch, logs):
+            calls.append(f"epoch_end{epoch}")
+
+        def on_train_end(self, handler):
+            calls.append("train_end")
+
+    handler = make_handler(callbacks=[Recorder()])
+    handler.set_train_loader((X[:16], y[:16]), batch_size=BATCH)
+    handler.set_val_loader((Xv, yv), batch_size=BATCH)
+    handler.train(1, progress=False)
+    assert calls == ["train_begin", "epoch_begin1", "batch", "batch", "val1:['val_loss', 'val_mae']",
+                     "epoch_end1", "train_end"]
+
+
+def test_progress_bar_on_main_process(capsys, data):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.train(1, progress=True)
+    assert "epoch 1/1" in capsys.readouterr().err
+    handler.train(2, progress=False)
+    assert "epoch 2/2" not in capsys.readouterr().err
+
+
+def test_logs_through_nn_handler_logger_without_handlers(caplog, data):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    with caplog.at_level(logging.INFO, logger="nn_handler"):
+        handler.train(1, progress=False)
+    assert any(r.name.startswith("nn_handler") and "epoch 1/1" in r.getMessage() for r in caplog.records)
+    assert logging.getLogger("nn_handler").handlers == []
+    assert logging.getLogger("nn_handler.handler").handlers == []
+
+
+def test_plot_history_writes_a_png(tmp_path, data):
+    pytest.importorskip("matplotlib")
+    X, y, Xv, yv = data
+    handler = make_handler()
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.set_val_loader((Xv, yv), batch_size=BATCH)
+    handler.train(2, progress=False)
+    handler.plot_history(tmp_path / "h.png")
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_history_without_matplotlib_names_the_extra(tmp_path, monkeypatch, data):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.train(1, progress=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(MissingExtraError, match=r"pip install 'nn_handler\[plot\]'"):
+        handler.plot_history(tmp_path / "h.png")
+    assert issubclass(MissingExtraError, ImportError)
+
+
+def test_plot_history_before_training_is_an_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="History is empty"):
+        make_handler().plot_history(tmp_path / "h.png")
