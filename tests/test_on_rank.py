@@ -459,3 +459,27 @@ def test_a_rank_that_dies_does_not_leave_the_others_waiting():
     assert isinstance(r1, RemoteFailure) and "exitcode 3" in str(r1)
     message, notes = r0
     assert any("exchanged the status of _dies.<locals>.crash" in n for n in notes), r0
+
+
+@pytest.mark.slow
+def test_torchrun_checkpoint_then_failure_on_rank_zero_ends_both_ranks(tmp_path):
+    import sys
+
+    from helpers import parse_results, run_command
+    from nn_handler.utils.ddp import find_free_port
+
+    checkpoint = tmp_path / "model.pt"
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={find_free_port()}", "tests/scripts/on_rank_checkpoint.py", str(checkpoint)],
+                         timeout=DEADLINE)
+    assert result.returncode != 0, result.stdout[-3000:]
+    rows = parse_results(result.stdout)
+    assert [r["rank"] for r in rows] == [0, 1], result.stdout[-3000:]
+    zero, one = rows
+    assert zero["error"] == "OSError" and "could not upload" in zero["first_line"]
+    assert one["error"] == "RankFailedError[OSError]" and one["is_oserror"]
+    assert one["first_line"].startswith("save_checkpoint failed on rank 0 (cpu, pid ")
+    assert "could not upload" in one["first_line"]
+    assert "--- traceback of rank 0 ---" in result.stdout  # rank 1 printed rank 0's traceback
+    saved = torch.load(checkpoint, weights_only=True)  # written before the failure, complete
+    assert set(saved["model"]) == {"weight", "bias"} and saved["world_size"] == 2
