@@ -148,6 +148,11 @@ def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc):  # random bytes read as an old-style pickle
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt or truncated ({size} bytes; was its write interrupted?): "
+                f"not a torch.save file"
+            ) from exc
         # weights_only refuses arbitrary classes; say so instead of torch's long hint.
         lines = [ln for ln in str(exc).splitlines() if "Unsupported global" in ln] or str(exc).splitlines() or [""]
         first = lines[0].replace("WeightsUnpickler error:", "").strip()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import random
 import time
@@ -49,6 +48,7 @@ from .checkpoint import FORMAT, atomic_save, capture_rng_state, load_payload, lo
 from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
 from .history import History
 from .utils.ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device, should_use_distributed
+from .utils.ddp_decorators import any_rank
 from .utils.parallel import MultiGPUConfig, prepare_dataloader, prepare_model, unwrap_parallel_model
 
 __all__ = ["NNHandler"]
@@ -350,6 +350,7 @@ class NNHandler:
                 raise TypeError(
                     f"data must be a DataLoader, a Dataset or a tuple of tensors, got {type(data).__name__}"
                 )
+            _check_not_empty(data, "given")
             kwargs = {"batch_size": _DEFAULT_BATCH_SIZE, **loader_kwargs}
             if not isinstance(data, IterableDataset):
                 kwargs.setdefault("shuffle", shuffle)
@@ -424,9 +425,8 @@ class NNHandler:
 
     def _any_rank(self, flag: bool) -> bool:
         if not (self.distributed and is_distributed()):
-            return bool(flag)
-        totals, _ = T.reduce_over_ranks([float(bool(flag))], [], self.device, self.distributed)
-        return totals[0] > 0
+            return bool(flag)  # a handler told use_distributed=False inside a group decides alone
+        return any_rank(flag)
 
     def _run_epoch(self, epochs: int, validate_every: int, progress: bool) -> None:
         epoch = self.epoch + 1
@@ -522,7 +522,7 @@ class NNHandler:
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
                         )
                     if check_each_step and not torch.isfinite(loss):
-                        raise NonFiniteLossError(epoch, i, float(loss))
+                        raise NonFiniteLossError(epoch, i, float(loss.detach()))
                     scaled = loss / k if k > 1 else loss
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
                 if boundary:
@@ -886,8 +886,8 @@ class NNHandler:
         return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
 
 
-def _check_not_empty(loader: DataLoader, what: str) -> None:
-    dataset = getattr(loader, "dataset", None)
+def _check_not_empty(data: DataLoader | Dataset, what: str) -> None:
+    dataset = data.dataset if isinstance(data, DataLoader) else data
     try:
         size = len(dataset)
     except TypeError:

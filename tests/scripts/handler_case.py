@@ -43,10 +43,11 @@ def make_handler(model=None, *, grad_accum_steps=1, seed=None, **kwargs):
     from nn_handler import NNHandler
 
     model = model if model is not None else make_model()
+    kwargs.setdefault("metrics", {"mae": mae})
     kwargs.setdefault("scheduler", torch.optim.lr_scheduler.StepLR)
     kwargs.setdefault("scheduler_kwargs", {"step_size": 2, "gamma": 0.5})
     return NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": LR, "momentum": MOMENTUM},
-                     metrics={"mae": mae}, grad_accum_steps=grad_accum_steps, seed=seed, device="cpu", **kwargs)
+                     grad_accum_steps=grad_accum_steps, seed=seed, device="cpu", **kwargs)
 
 
 def weights(model: nn.Module) -> list[float]:
@@ -112,3 +113,33 @@ def reference_train(X, y, Xv, yv, *, epochs: int, batch_size: int, world_size: i
         history["val_mae"].append(mae_sum / count)
         sched.step()
     return model, history
+
+
+def resume_case(phase: str, ckpt: str, epochs: int = 4, split: int = 2) -> dict:
+    """Dropout, Adam, StepLR, shuffling and validation: everything a resume must restore.
+
+    ``straight`` trains ``epochs`` epochs; ``first`` trains ``split`` and saves
+    ``ckpt``; ``second`` loads ``ckpt`` and trains up to ``epochs``. Call it in
+    fresh processes: ``first`` then ``second`` must end where ``straight`` does.
+    """
+    from nn_handler import EarlyStopping, NNHandler
+
+    X, y = make_data(90)  # 90: with 2 ranks and batch 8 the last batch is short
+    Xv, yv = make_data(21, seed=1)
+    stopper = EarlyStopping("val_loss", patience=10)
+    handler = NNHandler(make_model(dropout=0.3), torch.optim.Adam, nn.MSELoss(), optimizer_kwargs={"lr": 0.01},
+                        scheduler=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1, "gamma": 0.7},
+                        metrics={"mae": mae}, callbacks=[stopper], grad_accum_steps=2, seed=7, device="cpu")
+    handler.set_train_loader((X, y), batch_size=8)
+    handler.set_val_loader((Xv, yv), batch_size=8)
+    # Draw from every generator once more, as user code between runs would.
+    torch.rand(3), __import__("random").random()
+    if phase == "second":
+        handler.load_checkpoint(ckpt)
+    handler.train(split if phase == "first" else epochs, progress=False)
+    if phase == "first":
+        handler.save_checkpoint(ckpt)
+    return {"rank": handler.rank, "hash": weights_hash(handler.module), "epoch": handler.epoch,
+            "global_step": handler.global_step, "train_loss": handler.history["train_loss"],
+            "val_loss": handler.history["val_loss"], "lr": handler.history["lr"], "wait": stopper.wait,
+            "best": stopper.best}
