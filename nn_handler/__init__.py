@@ -46,7 +46,13 @@ from .utils.parallel import (
     setup_parallel_model,
     unwrap_parallel_model,
 )
-from .utils.parallel import dispatch_model, plan_device_map
+from .utils.parallel import (
+    dispatch_model,
+    get_data_parallel_info,
+    parallel_predict,
+    plan_device_map,
+    validate_data_parallel_setup,
+)
 from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
 from .errors import CheckpointError, CheckpointMismatchError, MissingExtraError, NonFiniteLossError
 from .handler import NNHandler
@@ -99,6 +105,9 @@ __all__ = [
     "get_recommended_batch_size",
     "dispatch_model",
     "plan_device_map",
+    "parallel_predict",
+    "get_data_parallel_info",
+    "validate_data_parallel_setup",
     # nn_handler.handler
     "NNHandler",
     "History",

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 from ._placement import DEVICE_MAP_ATTR, dispatch_model, parse_memory_size, plan_device_map
+from ._predict import get_data_parallel_info, parallel_predict, validate_data_parallel_setup
 from ._reports import (
     get_device_count,
     get_gpu_memory_info,
@@ -59,4 +60,7 @@ __all__ = [
     "plan_device_map",
     "parse_memory_size",
     "DEVICE_MAP_ATTR",
+    "parallel_predict",
+    "get_data_parallel_info",
+    "validate_data_parallel_setup",
 ]
