@@ -198,6 +198,50 @@ def test_bad_arguments_fail_before_any_worker_starts(kwargs, error, message):
         parallel_predict(args.pop("model_or_factory"), args.pop("data"), **args)
 
 
+class _Locked(Dataset):
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.ones(1)
+
+
+class _LockedModel(nn.Identity):
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def test_unpicklable_data_or_model_is_named_before_any_worker_starts():
+    with pytest.raises(TypeError, match=r"data \(_Locked\) cannot be pickled to send to the workers .*lazily"):
+        parallel_predict(nn.Identity(), _Locked(), batch_size=1, device_ids=CPUS)
+    with pytest.raises(TypeError, match=r"the model cannot be pickled .*pass a factory"):
+        parallel_predict(_LockedModel(), torch.ones(2, 1), batch_size=1, device_ids=CPUS)
+
+
+def test_a_dispatched_model_is_refused():
+    from nn_handler.utils.parallel import dispatch_model
+
+    model = dispatch_model(nn.Sequential(nn.Linear(2, 2)), {"0": "cpu"})
+    with pytest.raises(ConfigurationError, match="spread over several devices by dispatch_model"):
+        parallel_predict(model, torch.ones(2, 2), batch_size=1, device_ids=CPUS)
+
+
+def test_a_wrapped_model_is_unwrapped():
+    model = _linear()
+    x = torch.randn(5, 3)
+    out = parallel_predict(nn.DataParallel(model), x, batch_size=2, device_ids=CPUS)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+
+
 # --- introspection -------------------------------------------------------------------------------
 
 

@@ -29,13 +29,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+import cloudpickle
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from ..errors import ConfigurationError
 from ._executor import ParallelExecutor
-from ._placement import _send
+from ._placement import DEVICE_MAP_ATTR, _send
+from ._wrap import unwrap_parallel_model
 from .ddp import _cuda_count
 
 __all__ = ["parallel_predict", "get_data_parallel_info", "validate_data_parallel_setup"]
@@ -174,6 +176,21 @@ def _check_data(data):
     )
 
 
+def _pickling_error(payload, is_factory: bool, data, original: TypeError) -> TypeError:
+    """Say whether the model (or factory) or the data is what cannot travel to the workers."""
+    what = "the model factory" if is_factory else "the model"
+    for label, obj, remedy in (
+        (what, payload, "pass a factory that builds the model in each worker" if not is_factory
+         else "define it at module level and keep unpicklable objects out of its closure"),
+        (f"data ({type(data).__name__})", data, "open files, connections and locks lazily in __getitem__"),
+    ):
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as exc:
+            return TypeError(f"{label} cannot be pickled to send to the workers ({exc}); {remedy}")
+    return original
+
+
 def _check_autocast(autocast) -> bool | torch.dtype:
     if isinstance(autocast, (bool, torch.dtype)):
         return autocast
@@ -244,7 +261,13 @@ def parallel_predict(
         raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
     autocast = _check_autocast(autocast)
     if isinstance(model_or_factory, nn.Module):
-        payload, is_factory = _cpu_copy(model_or_factory), False
+        model = unwrap_parallel_model(model_or_factory)
+        if hasattr(model, DEVICE_MAP_ATTR):
+            raise ConfigurationError(
+                "the model is spread over several devices by dispatch_model; parallel_predict puts a whole copy "
+                "on each device. Pass a model (or factory) that fits on one device"
+            )
+        payload, is_factory = _cpu_copy(model), False
     elif callable(model_or_factory):
         payload, is_factory = model_or_factory, True
     else:
@@ -257,8 +280,12 @@ def parallel_predict(
 
     token = uuid.uuid4().hex
     settings = {"batch_size": batch_size, "num_workers": num_workers, "collate_fn": collate_fn, "autocast": autocast}
-    with ParallelExecutor(device_ids=device_ids, initializer=_start_worker,
-                          initargs=(token, payload, is_factory, data, settings)) as executor:
+    try:
+        executor = ParallelExecutor(device_ids=device_ids, initializer=_start_worker,
+                                    initargs=(token, payload, is_factory, data, settings))
+    except TypeError as exc:
+        raise _pickling_error(payload, is_factory, data, exc) from exc
+    with executor:
         n_batches = math.ceil(length / batch_size)
         per_task = 1 if num_workers == 0 else max(1, math.ceil(n_batches / (_TASKS_PER_DEVICE * executor.num_workers)))
         step = per_task * batch_size
