@@ -40,6 +40,8 @@ def _describe(value) -> str:
 
 def _target_ranks(rank, name: str) -> tuple[int, ...]:
     """Normalise ``rank`` to sorted distinct ints, or raise ValueError (no range check: see ``_check_range``)."""
+    if type(rank) is int:  # the common case, on every call: keep it cheap
+        return (rank,)
     if isinstance(rank, (list, tuple, set, frozenset, range)):
         items = list(rank)
         if not items:
@@ -61,6 +63,8 @@ def _target_ranks(rank, name: str) -> tuple[int, ...]:
 
 
 def _check_range(ranks: tuple[int, ...], world_size: int, name: str) -> None:
+    if ranks[0] >= 0 and ranks[-1] < world_size:  # sorted: the ends decide
+        return
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(
