@@ -1,0 +1,259 @@
+"""ParallelExecutor against concurrent.futures.ProcessPoolExecutor (spawn) and loky, in one run.
+
+    python benchmarks/bench_executor.py            # all measurements
+    python benchmarks/bench_executor.py --quick    # fewer repetitions
+
+Two CPU workers each. Prints one table: warm per-call latency of a broadcast
+call (one task per worker), map throughput over 4000 small tensors (chunks of
+64), result throughput for a 64 MiB tensor per worker (the worker keeps the
+tensor, so only the transfer is timed), cold start of a whole process, and the
+time from a worker's death to the error in the caller. loky comes from the
+`bench` extra; its columns are skipped when it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from nn_handler import ParallelExecutor, ParallelExecutionError
+
+try:
+    import loky
+except ImportError:  # optional peer
+    loky = None
+
+RESULT_BYTES = 64 << 20
+_cache: dict = {}
+
+
+def noop(x=0):
+    return x
+
+
+def noop_dev(x=0, device=None):
+    return x
+
+
+def small_sum(t, device=None):
+    return t * 2
+
+
+def big_result(device=None):
+    # A fresh tensor per call, as a real result is (a cached one would let
+    # torch's fd-passing reducers send a handle to memory already shared).
+    # The baseline "single-process clone" pays the same clone.
+    if "big" not in _cache:
+        _cache["big"] = torch.ones(RESULT_BYTES // 4)
+    return _cache["big"].clone()
+
+
+def pid(device=None):
+    return os.getpid()
+
+
+def sleep_long(device=None):
+    time.sleep(60)
+
+
+def _percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# ----------------------------------------------------------------------------- peers as "broadcast" calls
+class Peer:
+    def __init__(self, name, make):
+        self.name, self.make = name, make
+        self.ex = make()
+
+    def broadcast(self, fn, *args):
+        futures = [self.ex.submit(fn, *args) for _ in range(2)]
+        return [f.result() for f in futures]
+
+    def map(self, fn, items, chunksize):
+        return list(self.ex.map(fn, items, chunksize=chunksize))
+
+    def pids(self):
+        return list(self.ex._processes)
+
+    def close(self):
+        self.ex.shutdown(wait=True, kill_workers=True) if self.name == "loky" else self.ex.shutdown(wait=True)
+
+
+class Ours:
+    name = "nn_handler"
+
+    def __init__(self):
+        self.ex = ParallelExecutor(device_ids=["cpu", "cpu"]).start()
+
+    def broadcast(self, fn, *args):
+        return self.ex.run(fn, *args)
+
+    def map(self, fn, items, chunksize):
+        return self.ex.map(fn, items, chunksize=chunksize)
+
+    def pids(self):
+        return self.ex.run(pid)
+
+    def close(self):
+        self.ex.shutdown()
+
+
+def make_peers():
+    peers = [Ours(), Peer("ProcessPool", lambda: cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")))]
+    if loky is not None:
+        peers.append(Peer("loky", lambda: loky.get_reusable_executor(max_workers=2, reuse=False)))
+    for p in peers:  # warm up: start workers, import torch there
+        p.broadcast(noop_dev if isinstance(p, Ours) else noop)
+        p.broadcast(small_sum, torch.ones(2))
+    return peers
+
+
+def warm_latency(peer, n):
+    fn = noop_dev if isinstance(peer, Ours) else noop
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        peer.broadcast(fn, 1)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6, _percentile(times, 0.99) * 1e6
+
+
+def map_throughput(peer, n_items=4000, chunksize=64):
+    items = [torch.full((16,), float(i)) for i in range(n_items)]
+    t = time.perf_counter()
+    out = peer.map(small_sum, items, chunksize)
+    dt = time.perf_counter() - t
+    assert len(out) == n_items and float(out[-1][0]) == 2.0 * (n_items - 1)
+    return n_items / dt
+
+
+def result_throughput(peer, reps):
+    peer.broadcast(big_result)  # build the cached tensors
+    best = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = peer.broadcast(big_result)
+        dt = time.perf_counter() - t
+        assert out[0].numel() * 4 == RESULT_BYTES
+        del out
+        best.append(2 * RESULT_BYTES / dt / 1e9)
+    return statistics.median(best)
+
+
+def clone_throughput(reps):
+    src = torch.ones(RESULT_BYTES // 4)
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        c = src.clone()
+        rates.append(RESULT_BYTES / (time.perf_counter() - t) / 1e9)
+        del c
+    return statistics.median(rates)
+
+
+def death_to_error(peer):
+    victim = peer.pids()[0]
+    killed_at = {}
+
+    def kill_soon():
+        time.sleep(0.5)
+        killed_at["t"] = time.perf_counter()
+        os.kill(victim, signal.SIGKILL)
+
+    threading.Thread(target=kill_soon).start()
+    try:
+        peer.broadcast(sleep_long)
+    except (ParallelExecutionError, cf.process.BrokenProcessPool, Exception):
+        return time.perf_counter() - killed_at["t"]
+    return float("nan")
+
+
+COLD_OURS = """
+import os
+from nn_handler import ParallelExecutor
+def f(device): return os.getpid()
+if __name__ == "__main__":
+    with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+        ex.run(f)
+"""
+COLD_SPAWN = """
+import torch.multiprocessing as mp
+def f(rank): pass
+if __name__ == "__main__":
+    mp.spawn(f, nprocs=2)
+"""
+COLD_IMPORT = "import torch"
+
+
+def cold_start(code, reps, tmpdir="/tmp"):
+    path = os.path.join(tmpdir, f"nnh_cold_{abs(hash(code))}.py")
+    with open(path, "w") as f:
+        f.write(code)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, path], check=True, timeout=120)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    n_lat, reps = (300, 3) if args.quick else (2000, 7)
+    torch.set_num_threads(1)
+
+    peers = make_peers()
+    rows = {p.name: {} for p in peers}
+    try:
+        for p in peers:
+            rows[p.name]["run median (us)"], rows[p.name]["run p99 (us)"] = warm_latency(p, n_lat)
+        for p in peers:
+            rows[p.name]["map 4000 small (items/s)"] = map_throughput(p)
+        for p in peers:
+            rows[p.name]["64 MiB results (GB/s)"] = result_throughput(p, reps)
+        for p in peers:
+            rows[p.name]["death to error (s)"] = death_to_error(p)
+    finally:
+        for p in peers:
+            p.close()
+    clone = clone_throughput(reps)
+    cold_ours = cold_start(COLD_OURS, reps)
+    cold_spawn = cold_start(COLD_SPAWN, reps)
+    cold_import = cold_start(COLD_IMPORT, reps)
+
+    metrics = list(next(iter(rows.values())))
+    names = list(rows)
+    print(f"{'metric':28}" + "".join(f"{n:>14}" for n in names))
+    for m in metrics:
+        print(f"{m:28}" + "".join(f"{rows[n][m]:>14.4g}" for n in names))
+    print(f"{'single-process clone (GB/s)':28}{clone:>14.4g}")
+    print(f"{'cold start, whole process (s)':28} nn_handler {cold_ours:.2f}   torch.multiprocessing.spawn {cold_spawn:.2f}"
+          f"   import torch alone {cold_import:.2f}")
+    ours = rows["nn_handler"]
+    print("\nratios (targets in brackets):")
+    if "loky" in rows:
+        print(f"  run median vs loky            {ours['run median (us)'] / rows['loky']['run median (us)']:.2f}x  [<= 0.5]")
+        print(f"  map vs loky                   {ours['map 4000 small (items/s)'] / rows['loky']['map 4000 small (items/s)']:.2f}x  [>= 1.5]")
+    ppe = rows["ProcessPool"]
+    print(f"  results vs ProcessPool        {ours['64 MiB results (GB/s)'] / ppe['64 MiB results (GB/s)']:.2f}x  [>= 1.0]")
+    print(f"  results vs single clone       {ours['64 MiB results (GB/s)'] / clone:.2f}x  [>= 0.7]")
+    print(f"  cold start vs mp.spawn        {cold_ours / cold_spawn:.2f}x  [<= 1.0]")
+    print(f"  death to error                {ours['death to error (s)']:.3f}s  [< 0.1]")
+
+
+if __name__ == "__main__":
+    main()
