@@ -5,6 +5,8 @@
 - :func:`main_process_first`: rank 0 runs a block first, then the others.
 - :func:`any_rank` / :func:`all_ranks`: agree on a flag across ranks.
 - :func:`parallel_on_all_devices`: a function as the forward of ``nn.DataParallel``.
+- :class:`ParallelExecutor` / :func:`parallelize_on_gpus`: a warm pool with
+  one worker process per device; a call runs on every device at once.
 
 Example:
     >>> from nn_handler.utils.ddp_decorators import on_rank
@@ -17,6 +19,7 @@ Example:
 
 from ._collectives import all_ranks, any_rank
 from ._data_parallel import parallel_on_all_devices
+from ._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus
 from ._rank import main_process_first, on_rank
 
 __all__ = [
@@ -25,4 +28,7 @@ __all__ = [
     "any_rank",
     "all_ranks",
     "parallel_on_all_devices",
+    "ParallelExecutor",
+    "parallelize_on_gpus",
+    "ExecutorTimeoutError",
 ]
