@@ -15,6 +15,7 @@ import cloudpickle
 import torch
 
 from ..errors import DeviceError
+from .ddp import _cuda_count
 from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 
 __all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError"]
@@ -23,10 +24,6 @@ R = TypeVar("R")
 
 
 # ----------------------------------------------------------------------------- validation
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _warn_no_cuda(n: int) -> None:
     warnings.warn(
         f"CUDA is not available: running {n} worker{'s' if n != 1 else ''} on the CPU instead "
