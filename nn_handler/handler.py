@@ -881,6 +881,47 @@ class NNHandler:
         if self.is_main_process:
             self.history.plot(path)
 
+    @staticmethod
+    def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeout: float | None = None,
+               **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in each process of a new local DDP group; return rank 0's result.
+
+        Starts ``nprocs`` processes (one per GPU by default, with NCCL; gloo on
+        CPU, where ``nprocs`` must be given) on the worker pool of
+        :class:`~nn_handler.ParallelExecutor`, joins them into one process
+        group, and runs ``fn`` in each; an ``NNHandler`` built inside ``fn``
+        trains distributed. ``fn`` travels with cloudpickle, so functions
+        defined in a notebook work. The processes end with the call.
+
+        Args:
+            fn: The function to run on every rank.
+            *args: Its positional arguments.
+            nprocs: Number of processes.
+            timeout: Seconds before the call is abandoned and its processes
+                killed (``TimeoutError``); no limit by default.
+            **kwargs: Its keyword arguments.
+
+        Returns:
+            What ``fn`` returned on rank 0.
+
+        Raises:
+            ParallelExecutionError: ``fn`` raised on a rank (the failing ranks
+                tear the group down, so the others fail fast instead of waiting
+                in a collective; every rank's traceback is in the message).
+            WorkerDiedError: A process died.
+            ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
+
+        Example:
+            >>> def body():
+            ...     import torch.distributed as dist
+            ...     return dist.get_world_size()
+            >>> NNHandler.launch(body, nprocs=2)  # doctest: +SKIP
+            2
+        """
+        from ._launch import launch
+
+        return launch(fn, args, kwargs, nprocs, timeout)
+
     def __repr__(self) -> str:
         where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
         return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
