@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import DataParallel
 
 from ..errors import DeviceError
+from .ddp import _cuda_count
 
 __all__ = ["parallel_on_all_devices"]
 
@@ -29,10 +30,6 @@ class _FunctionModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
-
-
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _device_index(spec) -> int:
