@@ -184,6 +184,11 @@ class NNHandler:
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)
+        if sync_batchnorm and self.distributed and self.device.type != "cuda":
+            raise ConfigurationError(
+                f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
+                f"leave it False here: each rank then normalizes with its own batch statistics"
+            )
         self.amp = bool(amp)
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=bool(sync_batchnorm), **dict(ddp_kwargs or {}))

@@ -228,3 +228,19 @@ def test_plot_history_before_training_is_an_error(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match="History is empty"):
         make_handler().plot_history(tmp_path / "h.png")
+
+
+@pytest.mark.gpu
+def test_amp_on_cuda_uses_float16_with_a_grad_scaler(data):
+    X, y, _, _ = data
+    model = make_model()
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, amp=True,
+                        device="cuda", clip_grad_norm=1.0)
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    history = handler.train(3, progress=False)
+    assert set(seen) == {torch.float16} and handler.scaler is not None
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert history["peak_mem_mb_rank0"][0] > 0
+    assert handler.predict(X).device.type == "cpu"

@@ -81,7 +81,21 @@ def _predict_body(rank):
     model = nn.Linear(3, 2)
     X = torch.arange(21.0).reshape(7, 3)  # 7 samples on 2 ranks: DistributedSampler pads one
     handler = NNHandler(model, loss_fn=nn.MSELoss())
+    from nn_handler import ConfigurationError
+
+    # The DDP knobs pass through prepare_model; SyncBatchNorm is refused on CPU with the reason.
+    knobs = NNHandler(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)), torch.optim.SGD,
+                      nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
+                      ddp_kwargs={"bucket_cap_mb": 1, "find_unused_parameters": True})
+    knobs.set_train_loader((X, torch.zeros(7, 2)), batch_size=2)
+    knobs.train(1, progress=False)
+    try:
+        NNHandler(nn.BatchNorm1d(3), sync_batchnorm=True)
+        sync_bn = "accepted"
+    except ConfigurationError as exc:
+        sync_bn = str(exc)
     return {
+        "knobs": (knobs.model.find_unused_parameters, knobs.model.bucket_bytes_cap, sync_bn),
         "tensor": handler.predict(X, batch_size=2),
         "loader": handler.predict(DataLoader(TensorDataset(X, torch.zeros(7)), batch_size=3, shuffle=True)),
         "expected": model(X).detach(),
@@ -92,6 +106,8 @@ def _predict_body(rank):
 
 def test_predict_returns_each_sample_once_in_input_order_with_an_odd_dataset():
     for r in _check(run_distributed(_predict_body, nprocs=2, timeout=TIMEOUT)):
+        assert r["knobs"][:2] == (True, 2**20)
+        assert r["knobs"][2].startswith("sync_batchnorm=True needs CUDA devices")
         assert r["tensor"].shape == (7, 2) and torch.allclose(r["tensor"], r["expected"])
         assert torch.allclose(r["loader"], r["expected"])
         # The padded duplicate is not counted either.

@@ -1,0 +1,221 @@
+"""Training overhead of NNHandler against a hand-written loop (and Lightning Fabric / Accelerate where installed).
+
+An MLP 256-1024-1024-10 on synthetic data, batch 64 per process, 200 steps
+per timed epoch, on 1 and 2 processes (gloo, one thread each). Every
+contender runs in the same processes, interleaved round by round, so machine
+noise hits them alike; the figure is the median steps/s over the rounds,
+each round timing one 200-step epoch after a warm-up epoch.
+
+    python benchmarks/bench_training.py [--rounds 3] [--steps 200] [--procs 1 2]
+
+Target (issue 5): NNHandler >= 0.97x the hand-written loop's steps/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import statistics
+import time
+
+BATCH = 64
+SIZES = (256, 1024, 1024, 10)
+
+
+def _model():
+    from torch import nn
+
+    layers = []
+    for a, b in zip(SIZES, SIZES[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _data(steps: int, world: int):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    n = steps * BATCH * world
+    return TensorDataset(torch.randn(n, SIZES[0], generator=g), torch.randint(0, SIZES[-1], (n,), generator=g))
+
+
+def _hand_written(steps: int):
+    """What a careful user writes: DDP when launched, DistributedSampler, loss summed on the device."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    distributed = dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    torch.manual_seed(0)
+    model = _model()
+    if distributed:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    data = _data(steps, world)
+    sampler = DistributedSampler(data) if distributed else None
+    loader = DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler)
+
+    def epoch(e):
+        if sampler is not None:
+            sampler.set_epoch(e)
+        model.train()
+        total = torch.zeros(())
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+        return total.item()
+
+    return epoch
+
+
+def _nn_handler(steps: int):
+    import torch
+    from torch import nn
+
+    from nn_handler import NNHandler
+
+    torch.manual_seed(0)
+    handler = NNHandler(_model(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.01}, device="cpu")
+    handler.set_train_loader(_data(steps, handler.world_size), batch_size=BATCH, shuffle=True)
+
+    def epoch(e):
+        handler.train(e + 1, progress=False)
+
+    return epoch
+
+
+def _fabric(steps: int):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        from lightning_fabric import Fabric
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(DataLoader(_data(steps, world), batch_size=BATCH, shuffle=True))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(e):
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            fabric.backward(loss)
+            opt.step()
+
+    return epoch
+
+
+def _accelerate(steps: int):
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(_data(steps, world), batch_size=BATCH, shuffle=True)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def epoch(e):
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            accelerator.backward(loss)
+            opt.step()
+
+    return epoch
+
+
+def _installed(*modules: str) -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+CONTENDERS = {
+    "hand-written": (_hand_written, ()),
+    "NNHandler": (_nn_handler, ()),
+    "Lightning Fabric": (_fabric, ("lightning", "lightning_fabric")),
+    "Accelerate": (_accelerate, ("accelerate",)),
+}
+
+
+def _body(rank: int, names: list[str], steps: int, rounds: int) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    epochs = {name: CONTENDERS[name][0](steps) for name in names}
+    for name in names:  # warm-up epoch: allocator, DDP buckets, first-call costs
+        epochs[name](0)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            if dist.is_initialized():
+                dist.barrier()  # start every contender's epoch together on all ranks
+            start = time.perf_counter()
+            epochs[name](r + 1)
+            rates[name].append(steps / (time.perf_counter() - start))
+    # Free the DDP models (they sit in reference cycles) before the process
+    # group is destroyed: a gloo group torn down under a live DDP model can
+    # abort the process at exit.
+    epochs.clear()
+    gc.collect()
+    return rates
+
+
+def main() -> None:
+    from nn_handler.testing import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    names = [n for n, (_, mods) in CONTENDERS.items() if not mods or _installed(*mods)]
+    skipped = [n for n in CONTENDERS if n not in names]
+    print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "
+          f"{args.rounds} timed rounds, gloo, 1 thread/process")
+    if skipped:
+        print(f"not installed, skipped: {', '.join(skipped)}")
+    for nprocs in args.procs:
+        results = run_distributed(_body, nprocs=nprocs, args=(names, args.steps, args.rounds), timeout=1800)
+        for rank, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise SystemExit(f"rank {rank} failed: {r!r}\n{getattr(r, 'remote_traceback', '')}")
+        # A step takes as long as the slowest rank: take rank 0's view (all ranks move in lockstep).
+        medians = {name: statistics.median(results[0][name]) for name in names}
+        base = medians["hand-written"]
+        print(f"\n{nprocs} process{'es' if nprocs > 1 else ''}:")
+        for name in names:
+            rounds = ", ".join(f"{v:.1f}" for v in results[0][name])
+            print(f"  {name:<17} {medians[name]:7.1f} steps/s  ({medians[name] / base:.3f}x hand-written; "
+                  f"rounds: {rounds})")
+        print("JSON " + json.dumps({"nprocs": nprocs, "median_steps_per_s": medians,
+                                    "rounds": {n: results[0][n] for n in names}}))
+
+
+if __name__ == "__main__":
+    main()
