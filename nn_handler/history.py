@@ -104,10 +104,9 @@ class History:
             ValueError: The History is empty.
         """
         try:
-            import matplotlib
-
-            matplotlib.use("Agg", force=False)  # no display needed (servers, CI)
-            import matplotlib.pyplot as plt
+            # Figure without pyplot: no display needed (servers, CI), and a
+            # notebook's chosen backend and open figures are left alone.
+            from matplotlib.figure import Figure
         except ImportError as exc:
             raise MissingExtraError(
                 "plot_history needs matplotlib, which is not installed; install the plot extra: "
@@ -117,20 +116,18 @@ class History:
             raise ValueError("the History is empty: train at least one epoch before plotting")
         panels = self._panels()
         epochs = self._data.get("epoch") or list(range(1, self._n + 1))
-        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
-        try:
-            for ax, (name, keys) in zip(axes[0], panels.items()):
-                for key in keys:
-                    pairs = [(e, v) for e, v in zip(epochs, self._data[key]) if _is_number(v)]
-                    if pairs:
-                        ax.plot(*zip(*pairs), marker="o", label=key)
-                ax.set_title(name)
-                ax.set_xlabel("epoch")
-                ax.legend()
-            fig.tight_layout()
-            fig.savefig(os.fspath(path), dpi=100)
-        finally:
-            plt.close(fig)
+        fig = Figure(figsize=(5 * len(panels), 3.5))
+        axes = fig.subplots(1, len(panels), squeeze=False)
+        for ax, (name, keys) in zip(axes[0], panels.items()):
+            for key in keys:
+                pairs = [(e, v) for e, v in zip(epochs, self._data[key]) if _is_number(v)]
+                if pairs:
+                    ax.plot(*zip(*pairs), marker="o", label=key)
+            ax.set_title(name)
+            ax.set_xlabel("epoch")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), dpi=100)
 
     def _panels(self) -> dict[str, list[str]]:
         panels: dict[str, list[str]] = {}

@@ -218,7 +218,8 @@ def test_plot_history_without_matplotlib_names_the_extra(tmp_path, monkeypatch, 
     handler = make_handler()
     handler.set_train_loader((X, y), batch_size=BATCH)
     handler.train(1, progress=False)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    for name in ("matplotlib", "matplotlib.figure"):  # None in sys.modules makes the import raise ImportError
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingExtraError, match=r"pip install 'nn_handler\[plot\]'"):
         handler.plot_history(tmp_path / "h.png")
     assert issubclass(MissingExtraError, ImportError)
