@@ -516,3 +516,19 @@ def test_missing_main_guard_gets_the_snippet(tmp_path):
     result = run_command([sys.executable, str(script)], timeout=90)
     assert result.returncode != 0
     assert 'if __name__ == "__main__":' in result.stdout
+
+
+# ----------------------------------------------------------------------------- real GPUs
+@pytest.mark.gpu
+def test_workers_are_pinned_to_their_gpu_and_results_come_back_on_cpu():
+    n = torch.cuda.device_count()
+
+    def where(device):
+        t = torch.ones(1 << 19, device=device, requires_grad=True) * 2  # 2 MiB: through shared memory
+        return torch.cuda.current_device(), str(device), t
+
+    with ParallelExecutor() as ex:
+        results = ex.run(where)
+        assert [(i, d) for i, d, _ in results] == [(i, f"cuda:{i}") for i in range(n)]
+        assert all(t.device.type == "cpu" and not t.requires_grad and float(t[0]) == 2.0 for _, _, t in results)
+        assert ex.map(lambda x, device: (x * 2).to(device).sum().item(), [torch.ones(3)] * 4) == [6.0] * 4
