@@ -1,0 +1,71 @@
+"""The seed's ``ParallelExecutor`` context-manager example, plus an initializer and ``map``.
+
+    python examples/executor_context.py
+
+A ``ParallelExecutor`` keeps one worker process per device warm for as long
+as the ``with`` block lasts: ``run`` calls a function on every device,
+``map`` spreads items over the devices, and an ``initializer`` prepares each
+worker once (here: a model per device).
+"""
+
+import time
+
+import torch
+
+from nn_handler import ParallelExecutionError, ParallelExecutor
+
+DEVICES = None if torch.cuda.is_available() else ["cpu", "cpu"]
+
+
+def heavy_computation(device, data):
+    # Move data to the specified device and compute there.
+    data = data.to(device)
+    return data * 2
+
+
+def load_model(seed, device):
+    """Runs once in each worker when it starts: build that worker's model on its device."""
+    # Functions defined in a script or notebook travel to the workers by value,
+    # each with its own copy of the globals, so a global assigned here would not
+    # be seen by later calls. The worker's __main__ module is shared by every
+    # function that runs in it: keep per-worker state there.
+    import __main__ as worker
+
+    torch.manual_seed(seed)
+    worker.model = torch.nn.Linear(4, 1).to(device).eval()
+
+
+def predict(batch, device):
+    import __main__ as worker
+
+    with torch.no_grad():
+        return worker.model(batch.to(device)).cpu()
+
+
+def fails_on_odd(x, device):
+    if x % 2:
+        raise ValueError(f"odd input {x}")
+    return x
+
+
+def main():
+    data = torch.tensor([1, 2, 3])
+    start = time.perf_counter()
+    with ParallelExecutor(device_ids=DEVICES) as executor:
+        results = executor.run(heavy_computation, data)
+        print(f"run on {executor.devices}: {[r.tolist() for r in results]}")
+
+    with ParallelExecutor(device_ids=DEVICES, initializer=load_model, initargs=(0,)) as executor:
+        batches = list(torch.randn(8, 4).split(2))
+        outputs = executor.map(predict, batches)  # each batch goes to whichever worker is free
+        print(f"map: {len(outputs)} batches through one model per worker, first output {outputs[0].flatten().tolist()}")
+        try:
+            executor.map(fails_on_odd, range(4))
+        except ParallelExecutionError as exc:
+            print(f"a failing task raises here, with the worker's traceback: {str(exc).splitlines()[0]}")
+        print(f"the pool is still usable: {executor.map(fails_on_odd, [0, 2])}")
+    print(f"done in {time.perf_counter() - start:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
