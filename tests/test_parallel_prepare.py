@@ -91,8 +91,9 @@ def recorder(monkeypatch):
 def test_config_defaults(no_gpu):
     c = MultiGPUConfig()
     assert (c.mode, c.device_ids, c.output_device, c.backend) == ("auto", None, None, None)
+    # broadcast_buffers=True is DDP's own default: not passed (torch 2.13 deprecates the argument)
     assert c.ddp_kwargs() == {"find_unused_parameters": False, "gradient_as_bucket_view": True,
-                              "broadcast_buffers": True, "bucket_cap_mb": 25, "static_graph": False}
+                              "bucket_cap_mb": 25, "static_graph": False}
     assert c.sync_bn is False
 
 

@@ -197,13 +197,17 @@ class MultiGPUConfig:
             >>> MultiGPUConfig(bucket_cap_mb=50).ddp_kwargs()["bucket_cap_mb"]
             50
         """
-        return {
+        kwargs = {
             "find_unused_parameters": self.find_unused_parameters,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
-            "broadcast_buffers": self.broadcast_buffers,
             "bucket_cap_mb": self.bucket_cap_mb,
             "static_graph": self.static_graph,
         }
+        # Syncing buffers is DDP's default everywhere; torch 2.13 deprecates the
+        # argument (a FutureWarning on every wrap), so pass it only to turn it off.
+        if not self.broadcast_buffers:
+            kwargs["broadcast_buffers"] = False
+        return kwargs
 
 
 def _no_group_message(what: str) -> str:
