@@ -1,8 +1,8 @@
 """What :meth:`NNHandler.launch` runs inside the workers of a :class:`~nn_handler.ParallelExecutor`.
 
-The executor owns the processes (start, death detection, shutdown); this
-module only adds the rendezvous: each worker takes a rank, exports the
-launcher variables ``initialize_ddp`` reads, and joins the group.
+The executor owns the processes (start, death detection, shutdown, fail-fast);
+this module only adds the rendezvous: each worker takes its pool position as
+its rank, exports the launcher variables ``initialize_ddp`` reads, and joins.
 
 Private: NNHandler.launch is the public face.
 """
@@ -10,7 +10,6 @@ Private: NNHandler.launch is the public face.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Callable
 
 import torch
@@ -20,26 +19,13 @@ from .utils.ddp import _cuda_count, find_free_port
 __all__ = ["launch"]
 
 
-def _claim_rank(claim_dir: str, world_size: int) -> int:
-    # Workers on CPU all get the device "cpu", so the device cannot tell them
-    # apart: each takes the lowest rank whose claim file it creates first
-    # (O_EXCL makes the creation atomic, so no two workers get one rank).
-    for rank in range(world_size):
-        try:
-            os.close(os.open(os.path.join(claim_dir, f"rank{rank}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return rank
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"more workers than the {world_size} ranks of this launch")
-
-
-def _join_group(claim_dir: str, devices: list[str], port: int, device: torch.device) -> None:
+def _join_group(devices: list[str], port: int, device: torch.device) -> None:
+    from .utils._worker import worker_index
     from .utils.ddp import initialize_ddp
 
-    world_size = len(devices)
-    # A GPU worker's rank is its GPU's position, so LOCAL_RANK names the GPU
-    # the pool already pinned it to.
-    rank = devices.index(str(device)) if device.type == "cuda" else _claim_rank(claim_dir, world_size)
+    # The worker's position in the pool is its rank, and on GPUs also the
+    # position of the GPU the pool pinned it to, so LOCAL_RANK names that GPU.
+    rank, world_size = worker_index(), len(devices)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     initialize_ddp()
@@ -48,19 +34,12 @@ def _join_group(claim_dir: str, devices: list[str], port: int, device: torch.dev
 def _run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device | None = None) -> Any:
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    try:
-        return rank, fn(*args, **kwargs)
-    except BaseException:
-        # Peers may be waiting in a collective for this rank; tearing the
-        # group down closes its connections, so they fail now instead of at
-        # the group's timeout, and the caller sees every rank's error.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = fn(*args, **kwargs)
+    # Only on success: after a failure the group is left as it is, so the
+    # failed rank's own error reaches the caller first (fail-fast) rather
+    # than a peer's "connection closed"; the pool then kills every worker.
+    dist.destroy_process_group()
+    return result
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
@@ -77,9 +56,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
     if gpus and nprocs > gpus:
         raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPUs; one process per GPU")
     devices = [f"cuda:{i}" for i in range(nprocs)] if gpus else ["cpu"] * nprocs
-    with tempfile.TemporaryDirectory(prefix="nn_handler-launch-") as claim_dir:
-        executor = ParallelExecutor(device_ids=devices, timeout=timeout, initializer=_join_group,
-                                    initargs=(claim_dir, devices, find_free_port()))
-        with executor:
-            results = dict(executor.run(_run_rank, fn, args, kwargs))
-    return results[0]
+    executor = ParallelExecutor(device_ids=devices, timeout=timeout, initializer=_join_group,
+                                initargs=(devices, find_free_port()))
+    with executor:
+        return executor._run(_run_rank, (fn, args, kwargs), {}, fail_fast=True)[0]

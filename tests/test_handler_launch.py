@@ -46,7 +46,9 @@ def test_launch_raises_when_a_rank_fails_without_hanging():
     with pytest.raises(ParallelExecutionError, match="bad shard on rank 1") as info:
         NNHandler.launch(body, nprocs=2, timeout=100)
     assert not isinstance(info.value, TimeoutError)
-    assert any(f.exc_type and f.exc_type.endswith("ValueError") for f in info.value.failures)
+    # fail-fast: the root cause alone, not a peer's "connection closed" first
+    assert [(f.rank, f.exc_type) for f in info.value.failures] == [(1, "ValueError")]
+    assert isinstance(info.value.exceptions[1], ValueError)
 
 
 def test_launch_needs_nprocs_without_gpus():

@@ -240,9 +240,12 @@ class ParallelExecutor:
             TimeoutError: The call ran past ``timeout``.
             TypeError: ``func`` or an argument cannot be pickled.
         """
+        return self._run(func, args, kwargs)
+
+    def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False) -> list:
         fn_blob = _pickle_call(func, self.pass_device)
         try:
-            return self._pool.run(fn_blob, args, kwargs, self.timeout, _name(func))
+            return self._pool.run(fn_blob, args, kwargs, self.timeout, _name(func), fail_fast)
         except PayloadPicklingError:
             _check_picklable(args, kwargs, func)
             raise

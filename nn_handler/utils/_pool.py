@@ -232,12 +232,17 @@ class WorkerPool:
         return None
 
     # ----------------------------------------------------------------- calls
-    def run(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str) -> list:
-        """Call the function on every worker; results in worker order."""
+    def run(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str, fail_fast: bool = False) -> list:
+        """Call the function on every worker; results in worker order.
+
+        ``fail_fast``: raise at the first failure instead of waiting for every
+        worker's reply; for calls whose workers wait on each other (a process
+        group), where the others would wait for the failed one forever.
+        """
         payload, files = self._encode((args, kwargs))
         try:
             tasks = [(slot.index, payload, slot.index) for slot in self._slots]
-            results = self._dispatch("run", fn_blob, tasks, timeout, name)
+            results = self._dispatch("run", fn_blob, tasks, timeout, name, fail_fast)
         finally:
             _transport.remove_files(files)
         return [results[i] for i in range(len(self._slots))]
@@ -262,7 +267,8 @@ class WorkerPool:
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc
 
-    def _dispatch(self, kind: str, fn_blob: bytes, tasks: list, timeout: float | None, name: str) -> dict:
+    def _dispatch(self, kind: str, fn_blob: bytes, tasks: list, timeout: float | None, name: str,
+                  fail_fast: bool = False) -> dict:
         with self._lock:
             self.start()  # replaces workers that died or were killed since the last call
             call_id = next(self._call_ids)
@@ -319,6 +325,9 @@ class WorkerPool:
                         if blob is not None:
                             exceptions[slot.index] = _transport.loads(blob)
                         queue.clear()  # map: no new chunks once a call has failed
+                    if failures and fail_fast and running:
+                        self._abandon(running, call_id)  # their replies are discarded; shutdown kills them
+                        raise ParallelExecutionError(failures, exceptions, function=name)
                     if died:
                         # Fail now, not when the others finish: they are left
                         # to finish their part, and their late replies are

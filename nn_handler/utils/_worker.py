@@ -20,6 +20,17 @@ import traceback
 from ..errors import RankFailure
 from . import _transport
 
+_index: int | None = None  # this worker's position in its pool; None outside a worker
+
+
+def worker_index() -> int | None:
+    """The position of the current worker in its pool (0, 1, ...), or ``None`` outside a worker.
+
+    An initializer can use it to take a rank, e.g. to join a process group.
+    """
+    return _index
+
+
 # Seconds between checks that the caller is still alive. A worker blocked in
 # recv() learns of the caller's death from EOF at once; this catches the
 # worker that is busy computing when the caller is killed.
@@ -59,6 +70,8 @@ def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[Rank
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
                 shm_prefix: str | None, parent_pid: int) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._pool.WorkerPool`)."""
+    global _index
+    _index = index
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
