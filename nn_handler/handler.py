@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
 from .history import History
 from .utils.ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device, should_use_distributed
 from .utils.ddp_decorators import any_rank
-from .utils.parallel import MultiGPUConfig, prepare_dataloader, prepare_model, unwrap_parallel_model
+from .utils.parallel import MultiGPUConfig, parallel_predict, prepare_dataloader, prepare_model, unwrap_parallel_model
 
 __all__ = ["NNHandler"]
 
@@ -668,7 +668,8 @@ class NNHandler:
             raise ConfigurationError("evaluate(): the data yielded no samples")
         return {k.removeprefix("val_"): v for k, v in self._means("val_", totals).items()}
 
-    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
+    def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
+                device_ids: Sequence[int | str] | None = None) -> torch.Tensor:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -681,6 +682,11 @@ class NNHandler:
                 input), a ``Dataset`` or a ``DataLoader`` (its order and
                 batching settings are kept; shuffling is turned off).
             batch_size: Batch size (default: the loader's, else 32).
+            data_parallel: From a single process, run the model on every
+                device at once through :func:`~nn_handler.parallel_predict`
+                (one worker per device, batches spread dynamically).
+            device_ids: Devices for ``data_parallel`` (all GPUs by default;
+                ``["cpu", "cpu"]`` for CPU workers).
 
         Returns:
             The concatenated outputs (the model must return a tensor).
@@ -691,6 +697,8 @@ class NNHandler:
             >>> h.predict(torch.arange(5.0).reshape(5, 1)).flatten().tolist()
             [0.0, 1.0, 2.0, 3.0, 4.0]
         """
+        if data_parallel:
+            return self._predict_data_parallel(data, batch_size, device_ids)
         loader = self._predict_loader(data, batch_size)
         sampler = loader.sampler
         real = T.real_sample_count(loader)
@@ -719,6 +727,19 @@ class NNHandler:
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, part)
         return _assemble(parts, len(sampler.dataset))
+
+    def _predict_data_parallel(self, data: Any, batch_size: int | None, device_ids) -> torch.Tensor:
+        if self.distributed and is_distributed():
+            raise ConfigurationError(
+                "predict(data_parallel=True) starts one worker per device itself; call it from a single "
+                "process, not from every DDP rank (plain predict() already splits the data over the ranks)"
+            )
+        if batch_size is None and isinstance(data, DataLoader):
+            batch_size = data.batch_size
+        if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
+            data = TensorDataset(*data)
+        return parallel_predict(_InputsOnly(self.module), data, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
+                                device_ids=device_ids, autocast=self.amp)
 
     def _predict_loader(self, data: Any, batch_size: int | None) -> DataLoader:
         if batch_size is not None:
@@ -930,6 +951,18 @@ class NNHandler:
     def __repr__(self) -> str:
         where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
         return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
+
+
+class _InputsOnly(nn.Module):
+    """Feeds a model the inputs of ``(inputs, targets)`` batches, as :meth:`NNHandler.predict` does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch):
+        inputs, _ = T.split_batch(batch if len(batch) > 1 else batch[0])
+        return self.model(inputs)
 
 
 def _check_not_empty(data: DataLoader | Dataset, what: str) -> None:

@@ -245,3 +245,17 @@ def test_amp_on_cuda_uses_float16_with_a_grad_scaler(data):
     assert history["train_loss"][-1] < history["train_loss"][0]
     assert history["peak_mem_mb_rank0"][0] > 0
     assert handler.predict(X).device.type == "cpu"
+
+
+def test_predict_data_parallel_matches_predict_in_order():
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    handler = NNHandler(model)
+    X, y = torch.randn(23, 3), torch.randn(23, 2)
+    expected = handler.predict(X, batch_size=5)
+    # (inputs, targets) samples: only the inputs reach the model, as in predict()
+    got = handler.predict(TensorDataset(X, y), batch_size=5, data_parallel=True, device_ids=["cpu", "cpu"])
+    assert torch.allclose(got, expected, atol=1e-6) and got.shape == (23, 2)
+    assert torch.allclose(handler.predict((X, y), data_parallel=True, device_ids=["cpu"]), expected, atol=1e-6)
