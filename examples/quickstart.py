@@ -30,7 +30,8 @@ def matrix_power_trace(size, device):
     """Runs in one worker process per device; ``device`` is that worker's device."""
     torch.manual_seed(0)
     a = torch.randn(size, size, device=device) / size**0.5
-    return {"device": str(device), "pid": os.getpid(), "trace": round(float(torch.linalg.matrix_power(a, 4).trace()), 4)}
+    trace = float(torch.linalg.matrix_power(a, 4).trace())
+    return {"device": str(device), "pid": os.getpid(), "trace": round(trace, 4)}
 
 
 def norm_of_seed(seed, device):
@@ -69,7 +70,8 @@ def main():
     args = parser.parse_args()
 
     start = time.perf_counter()
-    where = f"{torch.cuda.device_count()} CUDA device(s)" if DEVICES is None else "no CUDA device: 2 CPU worker processes"
+    where = (f"{torch.cuda.device_count()} CUDA device(s)" if DEVICES is None
+             else "no CUDA device: 2 CPU worker processes")
     print(f"nn_handler quickstart: torch {torch.__version__}, {where}")
 
     t = time.perf_counter()

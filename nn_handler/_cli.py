@@ -170,7 +170,8 @@ def find_traps(environ: Mapping[str, str], launch: Any, launch_error: str | None
     elif not launch.uses_agent_store and launch.rank == 0 and launch.master_port is not None \
             and _is_local(launch.master_addr):
         port = launch.master_port
-        source = "MASTER_PORT" if "MASTER_PORT" in environ else f"the port nn_handler derives for this {launch.launcher} job"
+        source = ("MASTER_PORT" if "MASTER_PORT" in environ
+                  else f"the port nn_handler derives for this {launch.launcher} job")
     if port is not None and 0 < port < 65536 and port_in_use(port):
         remedy = ("pass torchrun --master_port=<a free port> (or --standalone), or export MASTER_PORT"
                   if source.startswith("torchrun") else "choose another one (nn_handler.find_free_port() gives one)")
@@ -275,7 +276,8 @@ def format_info(info: Mapping[str, Any]) -> str:
             lines.append(f"  cuda:{d['index']}  {d['name']}  {d['total_memory_gib']:.1f} GiB  "
                          f"compute capability {d['capability']}")
     else:
-        why = "torch is a CPU-only build" if cuda["build"] is None else f"torch built for CUDA {cuda['build']}, no device visible"
+        why = ("torch is a CPU-only build" if cuda["build"] is None
+               else f"torch built for CUDA {cuda['build']}, no device visible")
         lines.append(f"CUDA           not available ({why})")
     b = info["backends"]
     lines.append(f"backends       nccl: {_yes(b['nccl'])}  gloo: {_yes(b['gloo'])}  mpi: {_yes(b['mpi'])}")
@@ -404,7 +406,8 @@ def _group_probe(rank: int, with_ddp: bool, backend: str) -> dict[str, Any]:
     return out
 
 
-def check_group(nprocs: int, backend: str, timeout: float, with_ddp: bool, hide_gpus: bool = False) -> list[CheckResult]:
+def check_group(nprocs: int, backend: str, timeout: float, with_ddp: bool,
+                hide_gpus: bool = False) -> list[CheckResult]:
     """Form a ``backend`` group of ``nprocs`` local processes; all-reduce, and one DDP step if ``with_ddp``."""
     from .testing import DistributedTimeoutError, run_distributed
 
@@ -430,7 +433,8 @@ def check_group(nprocs: int, backend: str, timeout: float, with_ddp: bool, hide_
             CheckResult(n, None, 0.0, "skipped") for n in names[1:]]
     body = max(row["allreduce_s"] + row.get("ddp_s", 0.0) for row in rows)
     results = [CheckResult(names[0], True, total - body,
-                           f"{nprocs} rank{'s' if nprocs != 1 else ''} on 127.0.0.1, devices {', '.join(row['device'] for row in rows)}")]
+                           f"{nprocs} rank{'s' if nprocs != 1 else ''} on 127.0.0.1, "
+                           f"devices {', '.join(row['device'] for row in rows)}")]
     expected = nprocs * (nprocs + 1) / 2
     sums = {row["sum"] for row in rows}
     results.append(CheckResult(names[1], sums == {expected}, max(row["allreduce_s"] for row in rows),

@@ -1,4 +1,4 @@
-"""``python -m nn_handler info | check``: the trap finder and report on plain data, the real commands as subprocesses."""
+"""``python -m nn_handler info | check``: traps and report on plain data; the real commands as subprocesses."""
 
 from __future__ import annotations
 
