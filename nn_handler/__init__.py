@@ -57,6 +57,7 @@ from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
 from .errors import CheckpointError, CheckpointMismatchError, MissingExtraError, NonFiniteLossError
 from .handler import NNHandler
 from .history import History
+from ._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 __version__ = "0.1.0"
 
@@ -119,4 +120,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "MissingExtraError",
+    "TrainingPreempted",
+    "PREEMPTED_EXIT_CODE",
 ]

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import uuid
 import zipfile
 from pathlib import Path
@@ -43,6 +44,11 @@ __all__ = [
     "restore_rng_state",
     "list_checkpoints",
     "is_temp_file",
+    "run_checkpoint_name",
+    "run_checkpoint_key",
+    "list_run_checkpoints",
+    "prune_run_checkpoints",
+    "remove_stale_temp_files",
 ]
 
 log = logging.getLogger(__name__)
@@ -302,3 +308,95 @@ def list_checkpoints(dirpath: str | os.PathLike, pattern: str = "*.ckpt") -> lis
         return []
     found = [p for p in d.glob(pattern) if p.is_file() and not is_temp_file(p)]
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+# ---------------------------------------------------------------- a run's checkpoint directory
+
+_RUN_NAME = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.ckpt$")
+
+
+def run_checkpoint_name(epoch: int, batches: int = 0) -> str:
+    """File name of a checkpoint in an ``NNHandler(checkpoint_dir=...)`` directory.
+
+    Args:
+        epoch: After ``batches == 0``, the epochs complete; otherwise the epoch in progress (from 1).
+        batches: Batches of that epoch already trained (a preemption mid-epoch).
+
+    Example:
+        >>> run_checkpoint_name(2), run_checkpoint_name(3, 5)
+        ('epoch-0002.ckpt', 'epoch-0003-batch-000005.ckpt')
+    """
+    return f"epoch-{epoch:04d}.ckpt" if batches == 0 else f"epoch-{epoch:04d}-batch-{batches:06d}.ckpt"
+
+
+def run_checkpoint_key(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(epochs complete, batches into the next epoch)`` from a name :func:`run_checkpoint_name` made, else ``None``.
+
+    Orders a run's checkpoints by training progress: the file name says how far
+    training was, where modification times can tie or lie (copied directories,
+    clock skew between the nodes of a shared file system).
+
+    Example:
+        >>> run_checkpoint_key("epoch-0003-batch-000005.ckpt"), run_checkpoint_key("epoch-0003.ckpt")
+        ((2, 5), (3, 0))
+        >>> run_checkpoint_key("best.ckpt") is None
+        True
+    """
+    match = _RUN_NAME.match(Path(path).name)
+    if match is None:
+        return None
+    epoch, batches = int(match.group(1)), int(match.group(2) or 0)
+    return (epoch - 1, batches) if batches else (epoch, 0)
+
+
+def list_run_checkpoints(dirpath: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints of a run directory, oldest first by training progress.
+
+    Only names made by :func:`run_checkpoint_name` count (other files, such as
+    :class:`~nn_handler.ModelCheckpoint`'s, are left out), and temporary files
+    of an interrupted write never do.
+
+    Example:
+        >>> list_run_checkpoints("/nonexistent")
+        []
+    """
+    found = [(key, p) for p in list_checkpoints(dirpath) if (key := run_checkpoint_key(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def prune_run_checkpoints(dirpath: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` run checkpoints; returns the deleted paths.
+
+    A file that cannot be deleted is logged and kept: losing old checkpoints
+    late is better than failing a training run over it.
+    """
+    removed = []
+    for path in list_run_checkpoints(dirpath)[:-keep_last] if keep_last > 0 else []:
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not delete the old checkpoint %s: %s", path, exc)
+    return removed
+
+
+def remove_stale_temp_files(dirpath: str | os.PathLike) -> list[Path]:
+    """Delete temporary files that interrupted writes of run checkpoints left in ``dirpath``.
+
+    Call it only when no write into the directory is in progress (before training starts).
+    """
+    d = Path(dirpath)
+    if not d.is_dir():
+        return []
+    removed = []
+    for path in d.iterdir():
+        name = path.name
+        if is_temp_file(path) and _RUN_NAME.match(name[1:name.index(_TMP_MARK)]):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError as exc:
+                log.warning("could not delete the stale temporary file %s: %s", path, exc)
+    return removed

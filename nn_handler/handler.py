@@ -29,12 +29,16 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import random
 import time
-from typing import Any, Callable, Mapping, Sequence
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -43,10 +47,23 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from . import _training as T
+from ._preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .callbacks import Callback
-from .checkpoint import FORMAT, atomic_save, capture_rng_state, load_payload, load_weights, restore_rng_state
+from .checkpoint import (
+    FORMAT,
+    atomic_save,
+    capture_rng_state,
+    list_run_checkpoints,
+    load_payload,
+    load_weights,
+    prune_run_checkpoints,
+    remove_stale_temp_files,
+    restore_rng_state,
+    run_checkpoint_name,
+)
 from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
 from .history import History
+from .utils._collectives import side_group
 from .utils.ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device, should_use_distributed
 from .utils.ddp_decorators import any_rank
 from .utils.parallel import MultiGPUConfig, parallel_predict, prepare_dataloader, prepare_model, unwrap_parallel_model
@@ -58,6 +75,29 @@ log = logging.getLogger(__name__)
 _DDP_KEYS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb", "broadcast_buffers")
 _DEFAULT_BATCH_SIZE = 32
 _BAR_REFRESH_S = 0.5  # how often the progress bar reads the loss back from the device
+Resume = Union[Literal["auto"], str, os.PathLike, None]
+
+# Handlers with a DDP model, closed at interpreter exit if the script did not
+# close them: a gloo group still referenced by a live DDP model can abort the
+# process while the interpreter tears down (measured with torch 2.13).
+_live_handlers: "weakref.WeakSet[NNHandler]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_live_handlers() -> None:
+    for handler in list(_live_handlers):
+        try:
+            handler.close()
+        except Exception as exc:  # exiting anyway: report, do not mask the exit status
+            log.warning("closing %r at exit failed: %s", handler, exc)
+
+
+def _track_for_exit(handler: "NNHandler") -> None:
+    global _atexit_registered
+    _live_handlers.add(handler)
+    if not _atexit_registered:  # on first use, not at import
+        atexit.register(_close_live_handlers)
+        _atexit_registered = True
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -120,6 +160,21 @@ class NNHandler:
             distributed run (folded into the epoch's all-reduce, so no extra
             collective); a value here adds one small collective every that
             many batches there.
+        checkpoint_dir: Write a full checkpoint into this directory after
+            every epoch (``epoch-NNNN.ckpt``, atomically, from rank 0; on a
+            shared file system for multi-node jobs), keep the newest
+            ``keep_last``, and, while :meth:`train` runs, turn SIGTERM into a
+            checkpoint and a clean exit (:class:`~nn_handler.TrainingPreempted`,
+            exit code :data:`~nn_handler.PREEMPTED_EXIT_CODE`).
+        resume: ``"auto"``: at the start of :meth:`train`, load the newest
+            complete checkpoint of ``checkpoint_dir`` if there is one (rank 0
+            picks it, every rank loads that file), so rerunning a stopped,
+            crashed or preempted job, or torchrun restarting it, continues
+            where it stopped. A path: load that checkpoint. ``None``: start fresh.
+        keep_last: How many of ``checkpoint_dir``'s checkpoints to keep (>= 1).
+        preemption_check_every: Agree on "a rank got SIGTERM" every this many
+            optimizer steps (a one-int collective); by default about once a
+            second of training, whatever the step time (see :mod:`nn_handler._preemption`).
 
     Attributes:
         model: The model as trained (wrapped in DDP when distributed).
@@ -133,7 +188,8 @@ class NNHandler:
     Raises:
         ConfigurationError: ``grad_accum_steps`` < 1, a non-positive
             ``clip_grad_norm``, unknown ``ddp_kwargs``, metrics that are not
-            callables, an optimizer that holds none of the model's parameters.
+            callables, an optimizer that holds none of the model's parameters,
+            ``resume="auto"`` without a ``checkpoint_dir``.
 
     Example:
         >>> from torch import nn
@@ -163,8 +219,26 @@ class NNHandler:
         scheduler_kwargs: Mapping[str, Any] | None = None,
         callbacks: list[Callback] | None = None,
         finite_check_every: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        resume: Resume = None,
+        keep_last: int = 2,
+        preemption_check_every: int | None = None,
     ):
         self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep_last = _positive_int("keep_last", keep_last)
+        self.preemption_check_every = (None if preemption_check_every is None
+                                       else _positive_int("preemption_check_every", preemption_check_every))
+        if resume == "auto" and self.checkpoint_dir is None:
+            raise ConfigurationError("resume='auto' looks for checkpoints in checkpoint_dir; pass checkpoint_dir=...")
+        if resume is not None and not isinstance(resume, (str, os.PathLike)):
+            raise ConfigurationError(f"resume must be None, 'auto' or a checkpoint path, got {resume!r}")
+        self._resume: Resume = resume
+        self._resume_pending = resume is not None
+        self._resume_partial: dict[str, Any] | None = None  # a mid-epoch checkpoint's state, until train uses it
+        self._finished_early = False  # the loaded checkpoint was written after an early stop
+        self._owns_group = False
+        self._closed = False
         if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not clip_grad_norm > 0):
             raise ConfigurationError(f"clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}")
         self.clip_grad_norm = clip_grad_norm
@@ -181,6 +255,7 @@ class NNHandler:
         self.distributed = should_use_distributed(use_distributed)
         if self.distributed and not is_distributed():
             initialize_ddp()
+            self._owns_group = True  # so close() destroys it
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)
@@ -218,6 +293,8 @@ class NNHandler:
             self.set_loss_fn(loss_fn)
         if scheduler is not None:
             self.set_scheduler(scheduler, **dict(scheduler_kwargs or {}))
+        if self.distributed:
+            _track_for_exit(self)
 
     # ------------------------------------------------------------------ setup
 
@@ -399,6 +476,17 @@ class NNHandler:
                 validation loader; >= 1).
             progress: One tqdm bar per epoch on the main process.
 
+        With ``checkpoint_dir``, a checkpoint is written after every epoch,
+        and a SIGTERM (SLURM, Kubernetes, torchrun forwarding its own) makes
+        every rank finish its current optimizer step, rank 0 write a
+        checkpoint of exactly that point (mid-epoch included), and every rank
+        raise :class:`~nn_handler.TrainingPreempted`. The previous SIGTERM
+        handler is back when ``train`` returns or raises. With ``resume``, the
+        checkpoint is loaded first; a run resumed mid-epoch skips the batches
+        already trained (``on_epoch_begin`` runs again, the batch hooks of
+        those batches do not) and ends with the same weights and History as
+        an uninterrupted run.
+
         Returns:
             The History (all epochs, including those before a resume).
 
@@ -407,33 +495,71 @@ class NNHandler:
                 model without trainable parameters; an empty dataset or a
                 loader that yields no batches.
             NonFiniteLossError: The loss became NaN or infinite (on every rank).
+            TrainingPreempted: A preemption signal arrived (with
+                ``checkpoint_dir``); its checkpoint is on disk. Uncaught, the
+                process exits with :data:`~nn_handler.PREEMPTED_EXIT_CODE`.
+            CheckpointError: ``resume`` names a checkpoint that a rank cannot load.
         """
         epochs = _positive_int("epochs", epochs)
         validate_every = _positive_int("validate_every", validate_every)
         self._check_ready()
+        if self._resume_pending:
+            self._resume_pending = False
+            self._load_resume_checkpoint()
+        if self._finished_early:
+            log.warning("train(%d): the run stopped early after epoch %d (resumed from its last checkpoint); "
+                        "nothing to do", epochs, self.epoch)
+            return self.history
         if self.epoch >= epochs:
             log.warning("train(%d): %d epochs are already complete; nothing to do", epochs, self.epoch)
             return self.history
         self.stop_training = False
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        while self.epoch < epochs:
-            self._run_epoch(epochs, validate_every, progress)
-            # Agree, so that a callback that stopped one rank stops them all
-            # after the same epoch (the next epoch's collectives would hang).
-            if self._any_rank(self.stop_training):
-                self.stop_training = True
-                break
+        catcher = SignalCatcher() if self.checkpoint_dir is not None else None
+        with catcher if catcher is not None else contextlib.nullcontext():
+            monitor = None
+            if catcher is not None:
+                monitor = PreemptionMonitor(catcher, self.distributed and is_distributed(), self.preemption_check_every)
+            while self.epoch < epochs:
+                try:
+                    self._run_epoch(epochs, validate_every, progress, monitor)
+                except _StopMidEpoch as stop:
+                    path = self._save_run_checkpoint(stop.partial)
+                    raise self._preempted(path, self.epoch + 1, stop.partial["batches"], catcher) from None
+                # Agree, so that a callback that stopped one rank stops them all
+                # after the same epoch (the next epoch's collectives would hang);
+                # with a monitor, one collective says "stop" and "preempted".
+                if monitor is None:
+                    stop, preempt = self._any_rank(self.stop_training), False
+                else:
+                    stop, preempt = monitor.epoch_end(self.stop_training)
+                self.stop_training = stop
+                if self.checkpoint_dir is not None:
+                    path = self._save_run_checkpoint()
+                if preempt:
+                    raise self._preempted(path, self.epoch, 0, catcher)
+                if stop:
+                    break
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.history
+
+    def _preempted(self, path: Path, epoch: int, batches: int, catcher: SignalCatcher) -> TrainingPreempted:
+        # Every rank raises the same exception; the one that did not receive
+        # the signal itself still names it (another rank did).
+        exc = TrainingPreempted(str(path), epoch, batches, signal_name(catcher.received or PREEMPTION_SIGNALS[0]))
+        if self.is_main_process:
+            log.warning("%s", exc)
+        return exc
 
     def _any_rank(self, flag: bool) -> bool:
         if not (self.distributed and is_distributed()):
             return bool(flag)  # a handler told use_distributed=False inside a group decides alone
         return any_rank(flag)
 
-    def _run_epoch(self, epochs: int, validate_every: int, progress: bool) -> None:
+    def _run_epoch(self, epochs: int, validate_every: int, progress: bool,
+                   monitor: PreemptionMonitor | None = None) -> None:
         epoch = self.epoch + 1
         for cb in self.callbacks:
             cb.on_epoch_begin(self, epoch)
@@ -443,7 +569,7 @@ class NNHandler:
         lr = self.optimizer.param_groups[0]["lr"]
         T.reset_peak_memory(self.device)
         start = time.perf_counter()
-        train = self._train_epoch(epoch, epochs, progress)
+        train = self._train_epoch(epoch, epochs, progress, monitor)
         train_time = time.perf_counter() - start
         validate = self.val_loader is not None and epoch % validate_every == 0
         val = self._eval_sums(self.val_loader) if validate else []
@@ -490,7 +616,8 @@ class NNHandler:
         else:
             self.scheduler.step()
 
-    def _train_epoch(self, epoch: int, epochs: int, progress: bool) -> dict[str, Any]:
+    def _train_epoch(self, epoch: int, epochs: int, progress: bool,
+                     monitor: PreemptionMonitor | None = None) -> dict[str, Any]:
         model, loader, k = self.model, self.train_loader, self.grad_accum_steps
         model.train()
         try:
@@ -505,11 +632,27 @@ class NNHandler:
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
         metric_values: list[list] = [[] for _ in self.metrics]
+        resume, self._resume_partial = self._resume_partial, None
+        first = 0
+        if resume is not None:
+            epoch_start = resume["epoch_start"]
+            batches, first = self._skip_to(resume, epoch)
+            losses = [t.to(self.device) for t in resume["losses"].unbind(0)]
+            sizes = [int(n) for n in resume["sizes"]]
+            metric_values = [list(t.unbind(0)) for t in resume["metrics"]]
+        else:
+            # What decides this epoch's batch order (the global generators, the
+            # loader's and sampler's own), taken before the loader draws from
+            # them: a mid-epoch checkpoint needs it to replay the same order.
+            epoch_start = self._epoch_start_state() if monitor is not None else None
+            batches = iter(loader)
         bar = self._progress_bar(epoch, epochs, n_batches) if progress and self.is_main_process else None
-        bar_mark, bar_time = 0, time.perf_counter()
+        if bar is not None and first:
+            bar.update(first)
+        bar_mark, bar_time = len(losses), time.perf_counter()
         micro = 0
         try:
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(batches, start=first):
                 for cb in self.callbacks:
                     cb.on_batch_begin(self, i)
                 inputs, targets = T.split_batch(T.to_device(batch, self.device))
@@ -553,6 +696,12 @@ class NNHandler:
                         rate = sum(sizes[bar_mark:]) * self.world_size / (now - bar_time)
                         bar.set_postfix(loss=f"{recent:.4g}", samples_s=f"{rate:.0f}", refresh=False)
                         bar_mark, bar_time = len(losses), now
+                # After the whole step (update, hooks): a preemption stops
+                # between two optimizer steps, never inside an accumulation group.
+                if monitor is not None and boundary and monitor.step_done(n_batches is not None and i + 1 == n_batches):
+                    raise _StopMidEpoch({
+                        "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
+                        "sizes": list(sizes), "metrics": [_as_float64(v) for v in metric_values]})
             if micro:  # an unsized loader ended inside an accumulation group
                 self._optimizer_step()
         finally:
@@ -798,15 +947,89 @@ class NNHandler:
             OSError: On rank 0, the write failed (``path`` is unchanged).
             CheckpointError: On the other ranks, when rank 0's write failed.
         """
-        rng = capture_rng_state()
-        rngs = [rng]
+        self._save(path)
+
+    def _save(self, path, partial: dict[str, Any] | None = None, stopped: bool = False) -> None:
+        mine = (capture_rng_state(), partial)
+        everyone = [mine]
         if self.distributed and is_distributed():
-            rngs = [None] * self.world_size
-            dist.all_gather_object(rngs, rng)  # each rank resumes with its own streams
-        payload = self.state_dict(rngs)
+            # Each rank resumes with its own random streams, and mid-epoch with
+            # its own shard's losses so far.
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+        payload = self.state_dict([rng for rng, _ in everyone])
+        payload["stopped"] = bool(stopped)
+        if partial is not None:
+            payload["partial"] = {"batches": partial["batches"],
+                                  "ranks": [{k: v for k, v in p.items() if k != "batches"} for _, p in everyone]}
         for cb in self.callbacks:
             cb.on_save_checkpoint(self, payload)
         self._write_on_main(payload, path, "checkpoint")
+
+    def _save_run_checkpoint(self, partial: dict[str, Any] | None = None) -> Path:
+        """Write the next checkpoint of ``checkpoint_dir`` (mid-epoch with ``partial``) and drop old ones."""
+        if partial is None:
+            path = self.checkpoint_dir / run_checkpoint_name(self.epoch)
+            self._save(path, stopped=self.stop_training)
+        else:
+            path = self.checkpoint_dir / run_checkpoint_name(self.epoch + 1, partial["batches"])
+            self._save(path, partial)
+        if self.is_main_process:
+            prune_run_checkpoints(self.checkpoint_dir, self.keep_last)
+        return path
+
+    def _broadcast_from_main(self, obj: Any) -> Any:
+        if not (self.distributed and is_distributed()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=side_group().group)
+        return box[0]
+
+    def _load_resume_checkpoint(self) -> None:
+        """Load what ``resume`` names, on every rank; ``"auto"``: rank 0's pick of the newest complete one."""
+        payload = None
+        if self._resume == "auto":
+            choice = None
+            if self.is_main_process:
+                # Nothing writes into the directory yet, so temporary files
+                # are leftovers of a write that a crash interrupted.
+                remove_stale_temp_files(self.checkpoint_dir)
+                for candidate in reversed(list_run_checkpoints(self.checkpoint_dir)):
+                    try:
+                        payload = _checked_payload(load_payload(candidate), candidate)
+                    except CheckpointError as exc:
+                        log.warning("not resuming from %s: %s", candidate, exc)
+                        continue
+                    choice = candidate.name
+                    break
+            # One choice for all: ranks that listed the directory themselves
+            # could see different files while rank 0 is still writing.
+            choice = self._broadcast_from_main(choice)
+            if choice is None:
+                if self.is_main_process:
+                    log.info("no checkpoint in %s yet: training starts from the beginning", self.checkpoint_dir)
+                return
+            path = self.checkpoint_dir / choice
+        else:
+            path = Path(self._resume)
+        error = None
+        try:
+            if payload is None:
+                payload = _checked_payload(load_payload(path), path)
+            self._restore(payload, path)
+        except Exception as exc:  # reported to every rank below, so none trains on alone
+            error = exc
+        failed = self._any_rank(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"another rank could not load {path} (see its error); every rank reads the "
+                                  f"checkpoint itself, so it must be on a file system that all nodes share")
+        self._finished_early = bool(payload.get("stopped", False))
+        if self.is_main_process:
+            partial = self._resume_partial
+            log.info("resumed from %s: %d epochs complete%s", path, self.epoch,
+                     f", {partial['batches']} batches into epoch {self.epoch + 1}" if partial else "")
 
     def _write_on_main(self, payload: Any, path, what: str) -> None:
         error = None
@@ -842,12 +1065,9 @@ class NNHandler:
             CheckpointMismatchError: Its weights do not fit the model (the
                 message names the keys).
         """
-        payload = load_payload(path)
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
-            raise CheckpointError(
-                f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
-            )
+        return self._restore(_checked_payload(load_payload(path), path), path, resume)
+
+    def _restore(self, payload: dict[str, Any], path, resume: bool = True) -> int:
         load_weights(self.module, payload["model"], source=str(path))
         if not resume:
             return int(payload["epoch"])
@@ -877,7 +1097,49 @@ class NNHandler:
             if key in states:
                 cb.load_state_dict(states[key])
             cb.on_load_checkpoint(self, payload)
+        self._resume_partial = None
+        partial = payload.get("partial")
+        if partial is not None and len(partial["ranks"]) != self.world_size:
+            log.warning("%s was written %d batches into epoch %d by %d ranks and this run has %d, so their shards "
+                        "differ: epoch %d starts over from its first batch, from the weights of the checkpoint",
+                        path, partial["batches"], self.epoch + 1, len(partial["ranks"]), self.world_size,
+                        self.epoch + 1)
+        elif partial is not None:
+            self._resume_partial = {"batches": int(partial["batches"]), "rng": rngs[self.rank],
+                                    **partial["ranks"][self.rank]}
         return self.epoch
+
+    def _loader_generators(self) -> dict[str, torch.Generator]:
+        loader = self.train_loader
+        found = {"loader": getattr(loader, "generator", None),
+                 "sampler": getattr(getattr(loader, "sampler", None), "generator", None)}
+        return {name: g for name, g in found.items() if isinstance(g, torch.Generator)}
+
+    def _epoch_start_state(self) -> dict[str, Any]:
+        return {"rng": capture_rng_state(),
+                "generators": {name: g.get_state() for name, g in self._loader_generators().items()}}
+
+    def _skip_to(self, resume: dict[str, Any], epoch: int):
+        """This epoch's batch iterator, past the ``resume["batches"]`` already trained before the checkpoint."""
+        state = resume["epoch_start"]
+        restore_rng_state(state["rng"])
+        for name, g in self._loader_generators().items():
+            if name in state["generators"]:
+                g.set_state(state["generators"][name])
+        batches = iter(self.train_loader)
+        done = int(resume["batches"])
+        # Replaying the loader (rather than skipping sampler indices) also
+        # replays whatever randomness the dataset or workers draw per sample.
+        for seen in range(done):
+            try:
+                next(batches)
+            except StopIteration:
+                raise CheckpointError(
+                    f"the checkpoint was written after {done} batches of epoch {epoch}, but the training loader "
+                    f"now yields {seen}; resume with the data and batch size it was written with"
+                ) from None
+        restore_rng_state(resume["rng"])  # the streams as they were at the checkpoint
+        return batches, done
 
     def save_model(self, path: str | os.PathLike) -> None:
         """Write the unwrapped model's ``state_dict`` alone, atomically, from rank 0; call it on every rank."""
@@ -948,6 +1210,43 @@ class NNHandler:
 
         return launch(fn, args, kwargs, nprocs, timeout)
 
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Release the DDP model, then the process group if this handler created it.
+
+        In that order: a gloo group still referenced by a live DDP model can
+        abort the process when it is destroyed, or at interpreter exit
+        (measured with torch 2.13: about one run in three). Afterwards
+        :attr:`model` is the plain module, still usable in this process. A
+        group created before the handler (by your own ``initialize_ddp()``)
+        is left for you to destroy. Calling it again does nothing; handlers
+        not closed by the script are closed at interpreter exit.
+
+        Example:
+            >>> import torch
+            >>> with NNHandler(torch.nn.Linear(2, 1)) as handler:
+            ...     pass
+            >>> handler.close()  # again: harmless
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live_handlers.discard(self)
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.module
+            # DDP's reducer holds the group; cycles through its hooks can keep
+            # it alive past the last reference, so collect them now.
+            gc.collect()
+        if self._owns_group and is_distributed():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "NNHandler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
         return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
@@ -963,6 +1262,28 @@ class _InputsOnly(nn.Module):
     def forward(self, *batch):
         inputs, _ = T.split_batch(batch if len(batch) > 1 else batch[0])
         return self.model(inputs)
+
+
+class _StopMidEpoch(Exception):
+    """Internal: the ranks agreed to stop for preemption; carries this rank's part of the epoch so far."""
+
+    def __init__(self, partial: dict[str, Any]):
+        super().__init__("preempted mid-epoch")
+        self.partial = partial
+
+
+def _as_float64(values: list) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(v).detach().reshape(()).to("cpu", torch.float64) for v in values]) \
+        if values else torch.zeros(0, dtype=torch.float64)
+
+
+def _checked_payload(payload: Any, path) -> dict[str, Any]:
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(
+            f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
+        )
+    return payload
 
 
 def _check_not_empty(data: DataLoader | Dataset, what: str) -> None:

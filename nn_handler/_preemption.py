@@ -1,0 +1,226 @@
+"""Preemption: a SIGTERM during :meth:`NNHandler.train` becomes a checkpoint and a clean exit.
+
+What SLURM (``scancel``, ``--signal``, preemption), Kubernetes (pod
+eviction) and torchrun (which forwards its own SIGTERM to the workers) send
+is SIGTERM, followed by SIGKILL after a grace period (30 s by default in all
+three). The flow, on every rank::
+
+    SIGTERM (any rank, any moment)  ->  _on_signal sets a flag; nothing else
+    step boundary due for a check   ->  one all-reduce of 2 ints on the side gloo group:
+                                        (signal seen on any rank, steps until the next check)
+    agreed                          ->  the handler writes a checkpoint from rank 0 and raises
+                                        TrainingPreempted on every rank: exit PREEMPTED_EXIT_CODE
+
+Why not check every step: the check is a collective (a rank cannot stop alone,
+the others would wait for it in the next gradient all-reduce). Measured here,
+a 1-int gloo all-reduce between two local processes costs about 0.1 ms, and a
+network round trip between nodes more; against steps of a few milliseconds
+that is a visible tax for an event that happens once per job. So the ranks
+agree on the next check while they check: each proposes as many steps as fit
+in about :data:`CHECK_INTERVAL_S` seconds of its own recent step time, and
+the smallest proposal wins (the same number on every rank, so every rank
+checks at the same step). The cost is one tiny collective per second of
+training whatever the step time, and the reaction delay is about one second
+or one step, whichever is longer: far inside the grace period. A single
+process needs no agreement and looks at the flag after every step.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from .utils._collectives import check_collective_allowed, side_group
+
+__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "TrainingPreempted", "SignalCatcher", "PreemptionMonitor"]
+
+log = logging.getLogger(__name__)
+
+#: Exit code of a process that stopped training because it was preempted and
+#: wrote a checkpoint first: ``EX_TEMPFAIL`` from ``sysexits.h``, "temporary
+#: failure, retry later". It differs from 143 (128 + SIGTERM), which a shell or
+#: scheduler reports for a process that the signal killed before it could save.
+PREEMPTED_EXIT_CODE = 75
+
+#: Signals that mean "save and stop" while ``train`` runs with a checkpoint directory.
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
+
+#: About how many seconds of training pass between two preemption checks of a distributed run.
+CHECK_INTERVAL_S = 1.0
+_MAX_INTERVAL = 10_000  # steps; bounds the wait when steps are microseconds long
+
+
+class TrainingPreempted(SystemExit):
+    """Training stopped on a preemption signal after writing a checkpoint; raised on every rank.
+
+    A :class:`SystemExit` on purpose, not an error: left uncaught, the process
+    exits quietly with :data:`PREEMPTED_EXIT_CODE` (torchrun's ``@record``
+    re-raises it without writing an error file), and ``except Exception`` in
+    user code does not swallow it. Rerunning the same command with
+    ``resume="auto"`` continues from :attr:`checkpoint`.
+
+    Attributes:
+        checkpoint: The checkpoint written (or already on disk) for this stop.
+        epoch: The epoch in progress when training stopped (from 1).
+        batches: Batches of that epoch already trained (0: the epoch is complete).
+        signal_name: The signal that asked for the stop, e.g. ``"SIGTERM"``.
+
+    Example:
+        >>> exc = TrainingPreempted("ckpt/epoch-0002.ckpt", 2, 0, "SIGTERM")
+        >>> exc.code, isinstance(exc, Exception)
+        (75, False)
+    """
+
+    def __init__(self, checkpoint: str, epoch: int, batches: int, signal_name: str):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.checkpoint, self.epoch, self.batches, self.signal_name = str(checkpoint), epoch, batches, signal_name
+
+    def __str__(self) -> str:
+        where = f"after {self.batches} batches of epoch {self.epoch}" if self.batches else f"after epoch {self.epoch}"
+        return (f"training preempted by {self.signal_name} {where}; wrote {self.checkpoint}; "
+                f"exit code {PREEMPTED_EXIT_CODE}: rerun the same command (resume='auto') to continue")
+
+    def __reduce__(self):
+        return (type(self), (self.checkpoint, self.epoch, self.batches, self.signal_name))
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGTERM"`` for 15; the number as text for a signal Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+class SignalCatcher:
+    """While entered, the preemption signals set :attr:`received` instead of ending the process.
+
+    The previous handlers are put back on exit, also when training raised, so
+    a script's own handlers (or the default action) apply again outside
+    ``train``. Python only allows installing handlers from the main thread;
+    elsewhere (a training thread) nothing is installed and the signals keep
+    their previous meaning, which is logged once.
+
+    Example:
+        >>> import os, signal
+        >>> with SignalCatcher() as catcher:
+        ...     os.kill(os.getpid(), signal.SIGTERM)
+        >>> catcher.received == signal.SIGTERM
+        True
+        >>> signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        True
+    """
+
+    def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS):
+        self.signals = tuple(signals)
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs between two bytecodes of the main thread: set a flag and return.
+        # Logging or I/O here could deadlock on a lock the interrupted code holds.
+        if self.received is None:
+            self.received = signum
+
+    def __enter__(self) -> "SignalCatcher":
+        if threading.current_thread() is not threading.main_thread():
+            log.info("train() runs outside the main thread: %s will not trigger a preemption checkpoint",
+                     ", ".join(signal_name(s) for s in self.signals))
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            # None: the previous handler was installed from C; the default is the closest we can restore.
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+def all_max(values: list[int], distributed: bool) -> list[int]:
+    """Element-wise maximum of ``values`` over all ranks, in one all-reduce on the side gloo group.
+
+    Without a process group (or with ``distributed=False``) the values themselves.
+    """
+    side = side_group() if distributed else None
+    if side is None:
+        return [int(v) for v in values]
+    check_collective_allowed("NNHandler.train")
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side.group)
+    return [int(v) for v in t.tolist()]
+
+
+class PreemptionMonitor:
+    """Decides at which optimizer steps the ranks agree on whether a preemption signal arrived.
+
+    Args:
+        catcher: Where the signal is recorded.
+        distributed: Whether the ranks must agree (a collective); a single
+            process reads its flag after every step.
+        every: Agree every this many optimizer steps; ``None`` adapts the
+            interval to about :data:`CHECK_INTERVAL_S` seconds.
+
+    Every rank must call :meth:`step_done` after every optimizer step and
+    :meth:`epoch_end` at the end of every epoch: the interval is agreed, so
+    the ranks reach each check at the same step.
+    """
+
+    def __init__(self, catcher: SignalCatcher, distributed: bool, every: int | None = None):
+        self.catcher, self.distributed, self.every = catcher, distributed, every
+        # The first check after one step: it measures the step time the
+        # adaptive interval is derived from, and a signal that arrived before
+        # training started is honoured at once.
+        self._countdown = 1
+        self._steps = 0
+        self._mark = time.perf_counter()
+
+    @property
+    def signalled(self) -> bool:
+        """True when this rank received a preemption signal."""
+        return self.catcher.received is not None
+
+    def _proposal(self, now: float) -> int:
+        if self.every is not None:
+            return self.every
+        elapsed = now - self._mark
+        if self._steps == 0 or elapsed <= 0:
+            return 1
+        return max(1, min(_MAX_INTERVAL, int(CHECK_INTERVAL_S * self._steps / elapsed)))
+
+    def _agree(self, extra: list[int]) -> list[int]:
+        now = time.perf_counter()
+        if not self.distributed:
+            self._countdown = 1
+            return [int(self.signalled), *extra]
+        # MAX over (flag, -interval, extra): "any rank" for the flags, the
+        # smallest proposed interval for the next check.
+        agreed = all_max([int(self.signalled), -self._proposal(now), *extra], True)
+        self._countdown, self._steps, self._mark = -agreed[1], 0, now
+        return [agreed[0], *agreed[2:]]
+
+    def step_done(self, last_of_epoch: bool = False) -> bool:
+        """After an optimizer step: True on every rank when the ranks agreed to stop now.
+
+        The last step of an epoch is never a check: :meth:`epoch_end` follows
+        and agrees for it, after the epoch is complete.
+        """
+        self._steps += 1
+        self._countdown -= 1
+        if self._countdown > 0 or last_of_epoch:
+            return False
+        return bool(self._agree([])[0])
+
+    def epoch_end(self, stop: bool) -> tuple[bool, bool]:
+        """At an epoch's end: ``(stop on any rank, preemption signal on any rank)`` in one collective."""
+        preempt, stop_any = self._agree([int(bool(stop))])
+        return bool(stop_any), bool(preempt)

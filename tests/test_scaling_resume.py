@@ -1,0 +1,189 @@
+"""checkpoint_dir / resume / preemption without launchers: one process, and 2 spawned gloo ranks.
+
+The launcher tests (torchrun restarts, SIGTERM through torchrun, SLURM) are
+in test_scaling_launchers.py; these pin the exact-resume logic down where a
+failure is cheap to read.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from nn_handler import PREEMPTED_EXIT_CODE, Callback, NNHandler, TrainingPreempted
+from nn_handler.checkpoint import list_run_checkpoints, load_payload, run_checkpoint_key
+from nn_handler.errors import CheckpointError, ConfigurationError
+from nn_handler.testing import run_distributed
+from scripts.scale_case import EPOCHS, AtStep, build, sigterm_to, summary
+
+TIMEOUT = 150
+
+
+@pytest.fixture(scope="module")
+def straight():
+    """The uninterrupted single-process run every resumed run must equal."""
+    handler = build()
+    handler.train(EPOCHS, progress=False)
+    return summary(handler)
+
+
+def _crash(handler):
+    raise RuntimeError("simulated crash")
+
+
+def test_a_checkpoint_after_every_epoch_keeps_the_last_two(tmp_path, straight):
+    handler = build(tmp_path)
+    handler.train(EPOCHS, progress=False)
+    assert summary(handler) == straight  # checkpointing changes nothing
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]  # keep_last=2, no temp file
+    payload = load_payload(tmp_path / "epoch-0004.ckpt")
+    assert payload["epoch"] == 4 and payload["global_step"] == 24 and payload["stopped"] is False
+    assert "partial" not in payload
+
+
+def test_auto_resume_after_a_crash_mid_epoch_equals_an_uninterrupted_run(tmp_path, straight):
+    # Step 15 is the 3rd of epoch 3's 6 steps: epoch 2's checkpoint is the newest.
+    first = build(tmp_path, callbacks=[AtStep(15, _crash)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.train(EPOCHS, progress=False)
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0001.ckpt", "epoch-0002.ckpt"]
+    torch.rand(5)  # a new process would start from other random states
+    second = build(tmp_path, resume="auto")
+    second.train(EPOCHS, progress=False)
+    assert summary(second) == straight
+
+
+def test_sigterm_mid_epoch_writes_that_point_and_the_rerun_finishes_identically(tmp_path, straight):
+    calls = []
+
+    def previous(signum, frame):
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        # SIGTERM to this very process after step 8: 2 steps (4 batches) into epoch 2.
+        first = build(tmp_path, callbacks=[AtStep(8, sigterm_to(os.getpid))])
+        with pytest.raises(TrainingPreempted) as info:
+            first.train(EPOCHS, progress=False)
+        # The script's own handler is back, and the signal did not reach it during train.
+        assert signal.getsignal(signal.SIGTERM) is previous and calls == []
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    exc = info.value
+    assert exc.code == PREEMPTED_EXIT_CODE and (exc.epoch, exc.batches, exc.signal_name) == (2, 4, "SIGTERM")
+    assert os.path.basename(exc.checkpoint) == "epoch-0002-batch-000004.ckpt"
+    assert "rerun the same command" in str(exc)
+    assert first.global_step == 8  # it finished the step it was in, and took no other
+    payload = load_payload(exc.checkpoint)
+    assert payload["partial"]["batches"] == 4 and len(payload["partial"]["ranks"][0]["sizes"]) == 4
+    assert [run_checkpoint_key(p) for p in list_run_checkpoints(tmp_path)] == [(1, 0), (1, 4)]
+
+    second = build(tmp_path, resume="auto")
+    second.train(EPOCHS, progress=False)
+    assert summary(second) == straight
+
+
+def test_a_second_preemption_in_the_resumed_epoch_still_ends_identically(tmp_path, straight):
+    # The resumed run keeps the epoch's original start state, so a checkpoint
+    # written a second time inside the same epoch replays the same batch order.
+    with pytest.raises(TrainingPreempted):
+        build(tmp_path, callbacks=[AtStep(8, sigterm_to(os.getpid))]).train(EPOCHS, progress=False)
+    with pytest.raises(TrainingPreempted) as info:
+        build(tmp_path, resume="auto", callbacks=[AtStep(10, sigterm_to(os.getpid))]).train(EPOCHS, progress=False)
+    assert (info.value.epoch, info.value.batches) == (2, 8)
+    third = build(tmp_path, resume="auto")
+    third.train(EPOCHS, progress=False)
+    assert summary(third) == straight
+
+
+class _StopAfter(Callback):
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_epoch_end(self, handler, epoch, logs):
+        if epoch == self.epoch:
+            handler.stop_training = True
+
+
+def test_rerunning_a_run_that_stopped_early_trains_nothing_more(tmp_path):
+    first = build(tmp_path, callbacks=[_StopAfter(2)])
+    first.train(EPOCHS, progress=False)
+    assert first.epoch == 2
+    again = build(tmp_path, resume="auto")
+    again.train(EPOCHS, progress=False)
+    assert again.epoch == 2 and summary(again)["hash"] == summary(first)["hash"]
+
+
+def test_resume_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigurationError, match="resume='auto' looks for checkpoints in checkpoint_dir"):
+        build(resume="auto")
+    with pytest.raises(ConfigurationError, match="keep_last must be an int >= 1, got 0"):
+        NNHandler(torch.nn.Linear(2, 1), checkpoint_dir=tmp_path, keep_last=0)
+    with pytest.raises(ConfigurationError, match="resume must be None, 'auto' or a checkpoint path"):
+        NNHandler(torch.nn.Linear(2, 1), resume=3)
+    missing = build(resume=tmp_path / "nope.ckpt")
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        missing.train(1, progress=False)
+
+
+def test_auto_resume_skips_a_damaged_newest_file_and_stale_temp_files(tmp_path, straight):
+    first = build(tmp_path)
+    first.train(2, progress=False)
+    (tmp_path / "epoch-0003.ckpt").write_bytes(b"not a checkpoint")  # newest by name, unreadable
+    stale = tmp_path / ".epoch-0003.ckpt.tmp.4242.deadbeef"  # a write that a crash interrupted
+    stale.write_bytes(b"half")
+    (tmp_path / "best.ckpt").write_bytes(b"another tool's file")  # not ours: ignored, kept
+    second = build(tmp_path, resume="auto")
+    second.train(EPOCHS, progress=False)
+    assert summary(second) == straight
+    assert not stale.exists() and (tmp_path / "best.ckpt").exists()
+
+
+def test_no_checkpoint_yet_starts_from_the_beginning(tmp_path, straight):
+    handler = build(tmp_path / "empty", resume="auto")
+    handler.train(EPOCHS, progress=False)
+    assert summary(handler) == straight
+
+
+# ---------------------------------------------------------------- 2 spawned gloo ranks
+
+
+def _two_rank_body(rank, ckpt, mode):
+    import os
+
+    from nn_handler import TrainingPreempted
+    from scripts.scale_case import EPOCHS, AtStep, build, sigterm_to, summary
+
+    callbacks = []
+    if mode == "preempt":
+        # Only rank 1 gets the signal; step 4 is the 1st of epoch 2's 3 steps.
+        callbacks = [AtStep(4, sigterm_to(os.getpid), rank=1)]
+    with build(ckpt, resume="auto" if ckpt else None, callbacks=callbacks,
+               check_every=1 if mode == "preempt" else None) as handler:
+        try:
+            handler.train(EPOCHS, progress=False)
+        except TrainingPreempted as exc:
+            return {"preempted": (exc.epoch, exc.batches, exc.code), **summary(handler)}
+        return summary(handler)
+
+
+def _ok(results):
+    for rank, r in enumerate(results):
+        if isinstance(r, BaseException):
+            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
+    return results
+
+
+def test_two_ranks_stop_together_when_one_gets_sigterm_and_resume_exactly(tmp_path):
+    straight = _ok(run_distributed(_two_rank_body, 2, args=(None, "straight"), timeout=TIMEOUT))
+    first = _ok(run_distributed(_two_rank_body, 2, args=(str(tmp_path), "preempt"), timeout=TIMEOUT))
+    # Both ranks stopped after the same step (rank 0 never got the signal), and one file holds both shards.
+    assert [r["preempted"] for r in first] == [(2, 2, PREEMPTED_EXIT_CODE)] * 2
+    assert first[0]["global_step"] == first[1]["global_step"] == 4
+    assert len(load_payload(tmp_path / "epoch-0002-batch-000002.ckpt")["partial"]["ranks"]) == 2
+    second = _ok(run_distributed(_two_rank_body, 2, args=(str(tmp_path), "resume"), timeout=TIMEOUT))
+    assert second == straight
+    assert second[0]["train_loss"] == second[1]["train_loss"]
