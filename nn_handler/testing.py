@@ -72,10 +72,9 @@ def _rank_main(payload: bytes, rank: int, env: dict, writer, init: bool, backend
     writer.send_bytes(data)
     writer.close()
     try:
-        import torch.distributed as dist
+        from nn_handler.utils.ddp import cleanup_ddp
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        cleanup_ddp()
     except Exception:
         pass
 

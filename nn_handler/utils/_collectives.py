@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ddp import is_distributed
+from .ddp import is_distributed, on_cleanup
 
 __all__ = ["any_rank", "all_ranks"]
 
@@ -71,6 +71,16 @@ def group_timeout(group) -> timedelta:
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             return timeout
     return _FALLBACK_TIMEOUT
+
+
+def _release_side_group() -> None:
+    # Called by cleanup_ddp before it destroys the groups, so the side group's
+    # last reference does not outlive them into interpreter shutdown.
+    global _side
+    _side = None
+
+
+on_cleanup(_release_side_group)
 
 
 def side_group() -> SideGroup | None:

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import socket
@@ -96,10 +98,40 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Callables that drop references to process groups (e.g. the side group of
+# on_rank) before the groups are destroyed; see cleanup_ddp.
+_release_hooks: list = []
+_atexit_registered = False
+
+
+def on_cleanup(hook) -> None:
+    """Register ``hook()`` to run in :func:`cleanup_ddp` before the groups are destroyed (internal)."""
+    if hook not in _release_hooks:
+        _release_hooks.append(hook)
+
+
 def cleanup_ddp() -> None:
-    """Destroy the default process group. Calling it again, or without a group, is harmless."""
+    """Destroy the process groups. Calling it again, or without a group, is harmless.
+
+    Order matters: a gloo group whose last reference dies during interpreter
+    shutdown can abort the process ("terminate called without an active
+    exception"). So references the toolkit holds are dropped and garbage
+    (say, a DDP model in a reference cycle) is collected first, and the
+    groups are then destroyed while Python is still fully alive.
+    """
+    for hook in _release_hooks:
+        hook()
     if is_distributed():
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _cleanup_at_exit() -> None:
+    # atexit runs before module teardown: destroy what the script left, in order.
+    try:
+        cleanup_ddp()
+    except Exception as exc:  # never turn a clean exit into a traceback
+        log.debug("cleanup at exit failed: %s", exc)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -277,6 +309,10 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
             raise LaunchEnvironmentError(missing_rendezvous_message(env))
         store = _rendezvous_store(env, timeout)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_cleanup_at_exit)
+        _atexit_registered = True
     log.info("rank %d/%d joined a %s group on %s (%s)", env.rank, env.world_size, backend, device, env.launcher)
     return True, env.rank, env.local_rank, env.world_size, device
 
