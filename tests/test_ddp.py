@@ -212,3 +212,24 @@ def test_helper_names_ranks_that_hang_and_kills_them():
     with pytest.raises(DistributedTimeoutError, match=r"ranks \[1\] did not finish") as info:
         run_distributed(body, nprocs=2, init=False, timeout=8)
     assert info.value.unfinished == [1] and info.value.results[0] == 0
+
+
+def _cleanup_body(rank):
+    import gc
+    import weakref
+
+    from nn_handler.utils import _collectives
+    from nn_handler.utils.ddp import cleanup_ddp, is_distributed
+    from nn_handler.utils.ddp_decorators import any_rank
+
+    any_rank(False)  # creates the side gloo group
+    side = weakref.ref(_collectives._side.group)
+    cleanup_ddp()
+    gc.collect()
+    return _collectives._side is None, side() is None, is_distributed()
+
+
+def test_cleanup_releases_the_side_group_before_destroying():
+    # No group object may outlive cleanup_ddp into interpreter shutdown.
+    for released, freed, still_distributed in run_distributed(_cleanup_body, nprocs=2, timeout=90):
+        assert released and freed and not still_distributed
