@@ -422,9 +422,13 @@ def test_decorator_reuses_one_warm_pool():
         assert [p for p, _ in first] == [p for p, _ in second]
         assert all(torch.equal(t, torch.tensor([2, 4, 6])) for _, t in second)
         assert where.__name__ == "where"
+        where.shutdown()  # ends this pool now, not after keep_alive
+        assert not _pids_alive([p for p, _ in first]) and len(_executor._warm_pools) == 0
+        third = where(torch.tensor([1]))  # and a later call starts a fresh one
+        assert [p for p, _ in third] != [p for p, _ in first]
     finally:
         _executor._warm_pools.shutdown_all()
-    assert not _pids_alive([p for p, _ in first])
+    assert not _pids_alive([p for p, _ in third])
 
 
 def test_decorator_keep_alive_zero_gives_a_fresh_pool_per_call():

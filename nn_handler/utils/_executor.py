@@ -323,6 +323,16 @@ class _WarmPools:
             del self._pools[key], self._timers[key]
         executor.shutdown()
 
+    def close(self, key: tuple) -> None:
+        """Shut down the pool of one configuration now (a later call starts a new one)."""
+        with self._lock:
+            executor = self._pools.pop(key, None)
+            timer = self._timers.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+        if executor is not None:
+            executor.shutdown()
+
     def shutdown_all(self) -> None:
         with self._lock:
             pools, self._pools = list(self._pools.values()), {}
@@ -380,19 +390,22 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
                 warnings.simplefilter("ignore", RuntimeWarning)  # already warned at decoration
                 return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout)
 
+        key = (devices, pass_device, timeout)
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> list[R]:
             if keep_alive == 0:
                 with make() as executor:
                     return executor.run(func, *args, **kwargs)
-            key = (devices, pass_device, timeout)
             executor = _warm_pools.get(key, make)
             try:
                 return executor.run(func, *args, **kwargs)
             finally:
                 _warm_pools.release(key, executor, keep_alive)
 
-        wrapper.shutdown = lambda: _warm_pools.shutdown_all()  # type: ignore[attr-defined]
+        # Ends the warm pool now instead of after keep_alive idle seconds (it is
+        # shared with other functions decorated with the same devices).
+        wrapper.shutdown = lambda: _warm_pools.close(key)  # type: ignore[attr-defined]
         return wrapper
 
     return decorate
