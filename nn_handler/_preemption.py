@@ -105,7 +105,12 @@ class SignalCatcher:
 
     The previous handlers are put back on exit, also when training raised, so
     a script's own handlers (or the default action) apply again outside
-    ``train``. Python only allows installing handlers from the main thread;
+    ``train``. A signal that arrived but was not turned into a checkpoint
+    (training failed or ended first; the caller did not set :attr:`handled`)
+    is then delivered again, to the previous handler: torchrun stopping the
+    workers of a failed group, or a scheduler's SIGTERM that came too late to
+    save, still ends the process as it would have without nn_handler.
+    Python only allows installing handlers from the main thread;
     elsewhere (a training thread) nothing is installed and the signals keep
     their previous meaning, which is logged once.
 
@@ -113,6 +118,7 @@ class SignalCatcher:
         >>> import os, signal
         >>> with SignalCatcher() as catcher:
         ...     os.kill(os.getpid(), signal.SIGTERM)
+        ...     catcher.handled = True  # e.g. a checkpoint was written
         >>> catcher.received == signal.SIGTERM
         True
         >>> signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -122,6 +128,7 @@ class SignalCatcher:
     def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS):
         self.signals = tuple(signals)
         self.received: int | None = None
+        self.handled = False  # set by the caller once the signal became a checkpoint
         self._previous: dict[int, object] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -140,10 +147,13 @@ class SignalCatcher:
         return self
 
     def __exit__(self, *exc) -> None:
+        installed = bool(self._previous)
         for sig, previous in self._previous.items():
             # None: the previous handler was installed from C; the default is the closest we can restore.
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if installed and self.received is not None and not self.handled:
+            signal.raise_signal(self.received)
 
 
 def all_max(values: list[int], distributed: bool) -> list[int]:

@@ -6,9 +6,11 @@ Private: :mod:`nn_handler.handler` is the public face.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
-from typing import Any, Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,3 +133,37 @@ def reduce_over_ranks(
         dist.all_reduce(t)
     flat = t.cpu().tolist()
     return flat[:n], [flat[n + r * k:n + (r + 1) * k] for r in range(world)]
+
+
+# Under torchrun, when one rank fails its peers fail a moment later, in the
+# collective that waited for it ("Connection closed by peer"). torchrun names
+# as root cause the failure with the earliest timestamp, in whole seconds, and
+# the lowest rank on a tie, so a peer's secondary error could be reported
+# instead of the rank that really failed. A peer that waits a little lets the
+# agent see the real failure first; the agent then stops it with SIGTERM, so
+# the wait rarely runs to its end.
+PEER_FAILURE_GRACE_S = 2.0
+_PEER_FAILURE_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the errors a rank gets when another rank of its group went away.
+
+    Example:
+        >>> is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242"))
+        True
+        >>> is_peer_failure(ValueError("bad batch"))
+        False
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_FAILURE_TEXT)
+
+
+def wait_if_peer_failed(exc: BaseException, environ: Mapping[str, str] | None = None) -> bool:
+    """Under torchrun, pause :data:`PEER_FAILURE_GRACE_S` before a peer failure propagates; True if it paused."""
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in environ or not is_peer_failure(exc):
+        return False
+    time.sleep(PEER_FAILURE_GRACE_S)
+    return True

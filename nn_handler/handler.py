@@ -64,7 +64,15 @@ from .checkpoint import (
 from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
 from .history import History
 from .utils._collectives import side_group
-from .utils.ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device, should_use_distributed
+from .utils.ddp import (
+    cleanup_ddp,
+    get_rank,
+    get_world_size,
+    initialize_ddp,
+    is_distributed,
+    resolve_device,
+    should_use_distributed,
+)
 from .utils.ddp_decorators import any_rank
 from .utils.parallel import MultiGPUConfig, parallel_predict, prepare_dataloader, prepare_model, unwrap_parallel_model
 
@@ -516,6 +524,17 @@ class NNHandler:
         self.stop_training = False
         for cb in self.callbacks:
             cb.on_train_begin(self)
+        try:
+            self._train_until(epochs, validate_every, progress)
+        except Exception as exc:
+            # Outside the SIGTERM catcher: torchrun's SIGTERM ends the wait.
+            T.wait_if_peer_failed(exc)
+            raise
+        for cb in self.callbacks:
+            cb.on_train_end(self)
+        return self.history
+
+    def _train_until(self, epochs: int, validate_every: int, progress: bool) -> None:
         catcher = SignalCatcher() if self.checkpoint_dir is not None else None
         with catcher if catcher is not None else contextlib.nullcontext():
             monitor = None
@@ -541,14 +560,12 @@ class NNHandler:
                     raise self._preempted(path, self.epoch, 0, catcher)
                 if stop:
                     break
-        for cb in self.callbacks:
-            cb.on_train_end(self)
-        return self.history
 
     def _preempted(self, path: Path, epoch: int, batches: int, catcher: SignalCatcher) -> TrainingPreempted:
         # Every rank raises the same exception; the one that did not receive
         # the signal itself still names it (another rank did).
         exc = TrainingPreempted(str(path), epoch, batches, signal_name(catcher.received or PREEMPTION_SIGNALS[0]))
+        catcher.handled = True
         if self.is_main_process:
             log.warning("%s", exc)
         return exc
@@ -1239,7 +1256,7 @@ class NNHandler:
             # it alive past the last reference, so collect them now.
             gc.collect()
         if self._owns_group and is_distributed():
-            dist.destroy_process_group()
+            cleanup_ddp()
 
     def __enter__(self) -> "NNHandler":
         return self

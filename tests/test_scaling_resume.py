@@ -187,3 +187,56 @@ def test_two_ranks_stop_together_when_one_gets_sigterm_and_resume_exactly(tmp_pa
     second = _ok(run_distributed(_two_rank_body, 2, args=(str(tmp_path), "resume"), timeout=TIMEOUT))
     assert second == straight
     assert second[0]["train_loss"] == second[1]["train_loss"]
+
+
+# ---------------------------------------------------------------- the pieces, without training
+
+
+def test_signal_catcher_puts_the_previous_handler_back_and_redelivers_an_unhandled_signal():
+    from nn_handler._preemption import SignalCatcher
+
+    calls = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        with SignalCatcher() as handled:
+            os.kill(os.getpid(), signal.SIGTERM)
+            handled.handled = True  # became a checkpoint: nothing left to deliver
+        assert calls == []
+        with SignalCatcher() as unhandled:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert calls == []  # caught while inside
+        # Training ended without saving for it: the script's handler gets it after all.
+        assert unhandled.received == signal.SIGTERM and calls == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_signal_catcher_outside_the_main_thread_installs_nothing():
+    import threading
+
+    from nn_handler._preemption import SignalCatcher
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def body():
+        with SignalCatcher():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert seen == [before]
+
+
+def test_a_peer_failure_waits_only_under_torchrun(monkeypatch):
+    import nn_handler._training as T
+
+    slept = []
+    monkeypatch.setattr(T.time, "sleep", slept.append)
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+    torchrun = {"TORCHELASTIC_RUN_ID": "job"}
+    assert T.wait_if_peer_failed(peer, torchrun) and slept == [T.PEER_FAILURE_GRACE_S]
+    assert not T.wait_if_peer_failed(ValueError("bad batch"), torchrun)  # a root cause reports at once
+    assert not T.wait_if_peer_failed(peer, {})  # no torchrun summary to protect
+    assert slept == [T.PEER_FAILURE_GRACE_S]
