@@ -451,6 +451,10 @@ class NNHandler:
                                   seed=self.seed if self.seed is not None else 0)
 
     def _check_ready(self) -> None:
+        if self._closed and self.distributed:
+            # Without its DDP wrapper the model would train on each rank alone, silently.
+            raise ConfigurationError("this handler was closed (its DDP model and process group are released); "
+                                     "build a new NNHandler to train again")
         if self.train_loader is None:
             raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
         if self.loss_fn is None:

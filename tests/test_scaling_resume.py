@@ -154,7 +154,7 @@ def test_no_checkpoint_yet_starts_from_the_beginning(tmp_path, straight):
 def _two_rank_body(rank, ckpt, mode):
     import os
 
-    from nn_handler import TrainingPreempted
+    from nn_handler import ConfigurationError, TrainingPreempted
     from scripts.scale_case import EPOCHS, AtStep, build, sigterm_to, summary
 
     callbacks = []
@@ -167,7 +167,12 @@ def _two_rank_body(rank, ckpt, mode):
             handler.train(EPOCHS, progress=False)
         except TrainingPreempted as exc:
             return {"preempted": (exc.epoch, exc.batches, exc.code), **summary(handler)}
-        return summary(handler)
+    result = summary(handler)
+    try:  # closed: the DDP wrapper is gone, so training on would silently diverge
+        handler.train(EPOCHS + 1, progress=False)
+    except ConfigurationError as exc:
+        result["after_close"] = str(exc)
+    return result
 
 
 def _ok(results):
@@ -186,6 +191,7 @@ def test_two_ranks_stop_together_when_one_gets_sigterm_and_resume_exactly(tmp_pa
     assert len(load_payload(tmp_path / "epoch-0002-batch-000002.ckpt")["partial"]["ranks"]) == 2
     second = _ok(run_distributed(_two_rank_body, 2, args=(str(tmp_path), "resume"), timeout=TIMEOUT))
     assert second == straight
+    assert straight[0]["after_close"].startswith("this handler was closed")
     assert second[0]["train_loss"] == second[1]["train_loss"]
 
 
