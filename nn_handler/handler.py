@@ -1086,7 +1086,9 @@ class NNHandler:
             CheckpointMismatchError: Its weights do not fit the model (the
                 message names the keys).
         """
-        return self._restore(_checked_payload(load_payload(path), path), path, resume)
+        epoch = self._restore(_checked_payload(load_payload(path), path), path, resume)
+        self._finished_early = False  # an explicit load means "continue from here"
+        return epoch
 
     def _restore(self, payload: dict[str, Any], path, resume: bool = True) -> int:
         load_weights(self.module, payload["model"], source=str(path))
