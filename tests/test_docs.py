@@ -218,7 +218,7 @@ def output_mismatch(expected: list[str], output: str) -> str | None:
 def test_python_blocks_run(path, tmp_path):
     blocks = [b for b in python_blocks(path) if b.not_run is None]
     if not blocks:
-        pytest.skip(f"{path.name} has no runnable python block")
+        pytest.skip(f"{path.relative_to(REPO)} has no runnable python block")
     failures = []
     for block, (passed, output) in zip(blocks, run_blocks(blocks, tmp_path)):
         if not passed:
