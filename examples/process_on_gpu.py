@@ -21,7 +21,7 @@ def process_on_gpu(device, data):
     return data.to(device) * 2
 
 
-@parallelize_on_gpus(device_ids=None if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
+@parallelize_on_gpus(device_ids=[0, 1] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
 def another_gpu_function(device, x, y):
     # The seed asks for num_gpus=2: the first two GPUs, or two CPU workers here.
     return (x + y).to(device)
@@ -34,7 +34,9 @@ def main():
 
     results = another_gpu_function(torch.tensor([1, 2]), torch.tensor([3, 4]))
     print(f"another_gpu_function: {[r.tolist() for r in results]}")
-    process_on_gpu.shutdown()  # stop the warm worker pools now instead of after keep_alive seconds
+    # Stop the warm worker pools now instead of after keep_alive idle seconds.
+    process_on_gpu.shutdown()
+    another_gpu_function.shutdown()
 
 
 if __name__ == "__main__":

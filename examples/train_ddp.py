@@ -66,9 +66,7 @@ def main():
     if detect_launch_env().launcher != "none":  # torchrun/srun/mpirun started every rank: train here
         result = train(args.out, args.epochs, args.samples, not args.no_plot)
         how = detect_launch_env().launcher
-        # The handler joined the launcher's process group; leave it before exiting, or
-        # the group's threads may still be running while the interpreter shuts down.
-        cleanup_ddp()
+        cleanup_ddp()  # leave the launcher's process group the handler joined
     elif args.nprocs > 1:  # start a local group of nprocs processes and train in each
         result = NNHandler.launch(train, args.out, args.epochs, args.samples, not args.no_plot,
                                   nprocs=args.nprocs)
