@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from nn_handler import ParallelExecutionError, ParallelExecutor
+from nn_handler import ParallelExecutionError, ParallelExecutor, worker_state
 
 DEVICES = None if torch.cuda.is_available() else ["cpu", "cpu"]
 
@@ -25,21 +25,16 @@ def heavy_computation(device, data):
 
 def load_model(seed, device):
     """Runs once in each worker when it starts: build that worker's model on its device."""
-    # Functions defined in a script or notebook travel to the workers by value,
-    # each with its own copy of the globals, so a global assigned here would not
-    # be seen by later calls. The worker's __main__ module is shared by every
-    # function that runs in it: keep per-worker state there.
-    import __main__ as worker
-
+    # worker_state() is a dict owned by this worker process. Functions defined
+    # in a script or notebook travel by value with their own copy of the
+    # globals, so a global assigned here would not be seen by later calls.
     torch.manual_seed(seed)
-    worker.model = torch.nn.Linear(4, 1).to(device).eval()
+    worker_state()["model"] = torch.nn.Linear(4, 1).to(device).eval()
 
 
 def predict(batch, device):
-    import __main__ as worker
-
     with torch.no_grad():
-        return worker.model(batch.to(device)).cpu()
+        return worker_state()["model"](batch.to(device)).cpu()
 
 
 def fails_on_odd(x, device):

@@ -15,7 +15,7 @@ from .errors import (
     RankFailedError,
     WorkerDiedError,
 )
-from .utils._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus
+from .utils._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus, worker_state
 from .utils.ddp_decorators import all_ranks, any_rank, main_process_first, on_rank, parallel_on_all_devices
 from .utils.ddp import (
     barrier,
@@ -72,6 +72,7 @@ __all__ = [
     "ParallelExecutor",
     "parallelize_on_gpus",
     "ExecutorTimeoutError",
+    "worker_state",
     "initialize_ddp",
     "resolve_device",
     "should_use_distributed",

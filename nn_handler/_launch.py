@@ -59,4 +59,6 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
     executor = ParallelExecutor(device_ids=devices, timeout=timeout, initializer=_join_group,
                                 initargs=(devices, find_free_port()))
     with executor:
-        return executor._run(_run_rank, (fn, args, kwargs), {}, fail_fast=True)[0]
+        # Errors name the user's function, not the wrapper that runs it.
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        return executor._run(_run_rank, (fn, args, kwargs), {}, fail_fast=True, name=name)[0]

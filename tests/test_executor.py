@@ -184,18 +184,38 @@ def test_initializer_runs_once_per_worker_with_its_device():
         assert ex.run(use) == [a, b]
 
 
+def test_worker_state_carries_initializer_state_to_later_calls():
+    from nn_handler import worker_state
+
+    def load(scale, device):
+        worker_state()["model"] = (scale, os.getpid())
+
+    def use(x, device):
+        scale, pid = worker_state()["model"]
+        return x * scale, pid == os.getpid()
+
+    with ParallelExecutor(device_ids=CPU2, initializer=load, initargs=(3,)) as ex:
+        assert ex.run(use, 2) == [(6, True), (6, True)]
+        assert ex.map(use, [1, 2, 3]) == [(3, True), (6, True), (9, True)]
+
+
 def test_notebook_style_function_defined_in_main():
     code = textwrap.dedent("""
         import torch
-        from nn_handler import ParallelExecutor
-        def scale(x, device):          # lives in __main__, like a notebook cell
-            return x * 3
-        with ParallelExecutor(device_ids=['cpu', 'cpu']) as ex:
-            print('RESULT', ex.run(scale, torch.tensor([1, 2]))[1].tolist(), ex.map(lambda v, device: v + 1, [1, 2]))
+        from nn_handler import ParallelExecutor, worker_state
+        FACTOR = {}
+        def load(device):              # lives in __main__, like a notebook cell
+            worker_state()['factor'] = 3
+            FACTOR['f'] = 3            # a copy of the globals: later calls will not see this
+        def scale(x, device):
+            return x * worker_state()['factor'], FACTOR.get('f')
+        with ParallelExecutor(device_ids=['cpu', 'cpu'], initializer=load) as ex:
+            out, seen = ex.run(scale, torch.tensor([1, 2]))[1]
+            print('RESULT', out.tolist(), seen, ex.map(lambda v, device: v + 1, [1, 2]))
     """)
     result = run_command([sys.executable, "-c", code], timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "RESULT [3, 6] [2, 3]" in result.stdout
+    assert "RESULT [3, 6] None [2, 3]" in result.stdout
 
 
 # ----------------------------------------------------------------------------- failures
@@ -519,6 +539,8 @@ def test_missing_main_guard_gets_the_snippet(tmp_path):
                       "ParallelExecutor(device_ids=['cpu']).run(lambda device: 1)\n")
     result = run_command([sys.executable, str(script)], timeout=90)
     assert result.returncode != 0
+    # the worker's own error (raised while it imported the script) and the caller's hint
+    assert "was started while a worker process was importing your main module" in result.stdout
     assert 'if __name__ == "__main__":' in result.stdout
 
 

@@ -45,6 +45,7 @@ def test_launch_raises_when_a_rank_fails_without_hanging():
     # A hang would end in the executor's TimeoutError after 100 s, not in this error.
     with pytest.raises(ParallelExecutionError, match="bad shard on rank 1") as info:
         NNHandler.launch(body, nprocs=2, timeout=100)
+    assert "body failed on rank 1" in str(info.value)  # the user's function, not the launcher's wrapper
     assert not isinstance(info.value, TimeoutError)
     # fail-fast: the root cause alone, not a peer's "connection closed" first
     assert [(f.rank, f.exc_type) for f in info.value.failures] == [(1, "ValueError")]

@@ -17,8 +17,9 @@ import torch
 from ..errors import DeviceError
 from .ddp import _cuda_count
 from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+from ._worker import worker_state
 
-__all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError"]
+__all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError", "worker_state"]
 
 R = TypeVar("R")
 
@@ -242,10 +243,10 @@ class ParallelExecutor:
         """
         return self._run(func, args, kwargs)
 
-    def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False) -> list:
+    def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False, name: str | None = None) -> list:
         fn_blob = _pickle_call(func, self.pass_device)
         try:
-            return self._pool.run(fn_blob, args, kwargs, self.timeout, _name(func), fail_fast)
+            return self._pool.run(fn_blob, args, kwargs, self.timeout, name or _name(func), fail_fast)
         except PayloadPicklingError:
             _check_picklable(args, kwargs, func)
             raise

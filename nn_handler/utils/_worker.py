@@ -21,6 +21,28 @@ from ..errors import RankFailure
 from . import _transport
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
+_state: dict = {}
+
+
+def worker_state() -> dict:
+    """A dict that belongs to the current worker process and lives as long as it does.
+
+    The place for per-worker state: an ``initializer`` loads a model into it
+    once, every later call on that worker finds it there. It works for
+    functions defined in a script or a notebook too, which travel by value
+    with their own copy of their globals (so a global set by the initializer
+    would not be seen by later calls). In the calling process it is just
+    that process's own dict.
+
+    Example:
+        >>> from nn_handler import worker_state
+        >>> def load(device):
+        ...     worker_state()["model"] = torch.nn.Linear(4, 2).to(device)
+        >>> def predict(x, device):
+        ...     return worker_state()["model"](x.to(device))
+        >>> # ParallelExecutor(initializer=load).map(predict, batches)
+    """
+    return _state
 
 
 def worker_index() -> int | None:
@@ -143,7 +165,9 @@ def guard_against_bootstrap() -> None:
     """Raise a helpful error when a pool is started while a child is still importing ``__main__``."""
     import multiprocessing
 
-    if multiprocessing.parent_process() is not None and _importing_main():
+    # _inheriting is True while a spawn/forkserver child runs its bootstrap
+    # (importing the parent's main module); parent_process() is not yet set then.
+    if getattr(multiprocessing.current_process(), "_inheriting", False) and _importing_main():
         raise RuntimeError(
             "a ParallelExecutor was started while a worker process was importing your main module. "
             "Start it under a main guard:\n\n    if __name__ == \"__main__\":\n        main()\n"

@@ -19,7 +19,7 @@ Example:
 
 from ._collectives import all_ranks, any_rank
 from ._data_parallel import parallel_on_all_devices
-from ._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus
+from ._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus, worker_state
 from ._rank import main_process_first, on_rank
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "ParallelExecutor",
     "parallelize_on_gpus",
     "ExecutorTimeoutError",
+    "worker_state",
 ]
