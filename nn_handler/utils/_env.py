@@ -182,48 +182,40 @@ def _slurm(environ: Mapping[str, str]) -> LaunchEnv:
     return _check_ranks(env, "SLURM_PROCID", size_var)
 
 
-def _openmpi(environ: Mapping[str, str]) -> LaunchEnv:
-    size = _int(environ, "OMPI_COMM_WORLD_SIZE", 1)
-    local_size = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+def _mpi(environ: Mapping[str, str], launcher: Launcher, *, rank: str, size: str, local_rank: str,
+         local_size: str, job_ids: tuple[str, ...]) -> LaunchEnv:
+    world_size = _int(environ, size, 1)
+    local_world_size = _int(environ, local_size)
     addr, port = _master_from_env(environ)
-    # mpirun provides no rendezvous address. When every rank is on this node,
-    # loopback works and the job id (shared by all ranks) gives a port.
-    if local_size == size:
+    # mpirun/mpiexec provide no rendezvous address. When every rank is on this
+    # node, loopback works and the job id (shared by all ranks) gives a port.
+    if local_world_size == world_size:
         addr = addr or "127.0.0.1"
-        job_id = environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid")
+        job_id = next((environ[k] for k in job_ids if environ.get(k)), None)
         if port is None and job_id:
             port = derive_port(job_id)
     env = LaunchEnv(
-        launcher="openmpi",
-        rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
-        world_size=size,
-        local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-        local_world_size=local_size,
+        launcher=launcher,
+        rank=_int(environ, rank),
+        world_size=world_size,
+        local_rank=_int(environ, local_rank, 0),
+        local_world_size=local_world_size,
         master_addr=addr,
         master_port=port,
     )
-    return _check_ranks(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+    return _check_ranks(env, rank, size)
+
+
+def _openmpi(environ: Mapping[str, str]) -> LaunchEnv:
+    return _mpi(environ, "openmpi", rank="OMPI_COMM_WORLD_RANK", size="OMPI_COMM_WORLD_SIZE",
+                local_rank="OMPI_COMM_WORLD_LOCAL_RANK", local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
+                job_ids=("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"))
 
 
 def _pmi(environ: Mapping[str, str]) -> LaunchEnv:
-    size = _int(environ, "PMI_SIZE", 1)
-    local_size = _int(environ, "MPI_LOCALNRANKS")
-    addr, port = _master_from_env(environ)
-    if local_size == size:
-        addr = addr or "127.0.0.1"
-        job_id = environ.get("PMI_KVSNAME") or environ.get("PMIX_NAMESPACE")
-        if port is None and job_id:
-            port = derive_port(job_id)
-    env = LaunchEnv(
-        launcher="pmi",
-        rank=_int(environ, "PMI_RANK"),
-        world_size=size,
-        local_rank=_int(environ, "MPI_LOCALRANKID", 0),
-        local_world_size=local_size,
-        master_addr=addr,
-        master_port=port,
-    )
-    return _check_ranks(env, "PMI_RANK", "PMI_SIZE")
+    # MPICH's Hydra: PMI_* for the world, MPI_LOCAL* for this node.
+    return _mpi(environ, "pmi", rank="PMI_RANK", size="PMI_SIZE", local_rank="MPI_LOCALRANKID",
+                local_size="MPI_LOCALNRANKS", job_ids=("PMI_KVSNAME", "PMIX_NAMESPACE"))
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
