@@ -163,11 +163,12 @@ class NNHandler:
         scheduler_kwargs: Keyword arguments when ``scheduler`` is a class.
         callbacks: :class:`~nn_handler.callbacks.Callback` objects.
         finite_check_every: Check the loss for NaN/inf every this many
-            batches. By default every batch in a single process (before the
-            backward pass, so no bad step is taken) and once per epoch in a
-            distributed run (folded into the epoch's all-reduce, so no extra
-            collective); a value here adds one small collective every that
-            many batches there.
+            batches. By default every batch in a single CPU process (before
+            the backward pass, so no bad step is taken), and once per epoch on
+            a GPU (a per-batch check would wait for the GPU every step) and in
+            a distributed run (folded into the epoch's all-reduce, so no extra
+            collective); a value here adds a check (distributed: one small
+            collective) every that many batches.
         checkpoint_dir: Write a full checkpoint into this directory after
             every epoch (``epoch-NNNN.ckpt``, atomically, from rank 0; on a
             shared file system for multi-node jobs), keep the newest
@@ -648,7 +649,10 @@ class NNHandler:
         # Skipping the all-reduce needs to know which micro-step is the last
         # of an epoch; without a length every micro-step synchronizes.
         no_sync = isinstance(model, DistributedDataParallel) and k > 1 and n_batches is not None
-        check_each_step = not self.distributed and self.finite_check_every in (None, 1)
+        # Checking a loss on the host costs a CPU-GPU sync: by default only
+        # where that is free (a single CPU process); elsewhere at epoch end.
+        check_each_step = not self.distributed and (
+            self.finite_check_every == 1 or (self.finite_check_every is None and self.device.type == "cpu"))
         check_every = None if check_each_step else self.finite_check_every
         losses: list[torch.Tensor] = []
         sizes: list[int] = []

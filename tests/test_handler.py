@@ -259,3 +259,16 @@ def test_predict_data_parallel_matches_predict_in_order():
     got = handler.predict(TensorDataset(X, y), batch_size=5, data_parallel=True, device_ids=["cpu", "cpu"])
     assert torch.allclose(got, expected, atol=1e-6) and got.shape == (23, 2)
     assert torch.allclose(handler.predict((X, y), data_parallel=True, device_ids=["cpu"]), expected, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_non_finite_loss_on_cuda_is_caught_at_epoch_end_without_per_step_sync(data):
+    from nn_handler.errors import NonFiniteLossError
+
+    X, y, _, _ = data
+    y = y.clone()
+    y[BATCH * 2] = float("nan")  # third batch
+    handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cuda")
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    with pytest.raises(NonFiniteLossError, match="step 2"):
+        handler.train(1, progress=False)
