@@ -215,7 +215,11 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     Returns:
         A dict with ``versions``, ``platform``, ``cuda``, ``backends``,
-        ``launch``, ``workers`` and ``warnings``.
+        ``launch``, ``workers`` and ``warnings``. ``launch`` is the detected
+        :class:`~nn_handler.utils._env.LaunchEnv` as a dict (plus
+        ``slurm_job_without_srun``: job id and tasks, for a plain process in a
+        SLURM allocation of several tasks), or ``{"error": why}`` when the
+        launch variables are wrong.
     """
     import multiprocessing
 
@@ -223,7 +227,7 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     from . import __version__
     from .errors import LaunchEnvironmentError
-    from .utils._env import detect_launch_env
+    from .utils._env import detect_launch_env, slurm_job_without_srun, slurm_job_without_srun_message
 
     environ = os.environ if environ is None else environ
     # Read before anything below can initialise CUDA itself.
@@ -238,6 +242,12 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     shm = _shm_bytes()
     traps = find_traps(environ, launch, launch_error, cuda_initialized=cuda_initialized,
                        cuda_count=len(cuda["devices"]), nccl=backends["nccl"], shm_bytes=shm)
+    launch_info: dict[str, Any] = dataclasses.asdict(launch) if launch is not None else {"error": launch_error}
+    alone = slurm_job_without_srun(environ) if launch is not None else None
+    if alone is not None:
+        job_id, tasks = alone
+        launch_info["slurm_job_without_srun"] = {"job_id": job_id, "tasks": tasks}
+        traps.insert(0, slurm_job_without_srun_message(job_id, tasks))
     methods = multiprocessing.get_all_start_methods()
     return {
         "versions": {
@@ -251,7 +261,7 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
                      "cpus": _cpu_count()},
         "cuda": cuda,
         "backends": backends,
-        "launch": dataclasses.asdict(launch) if launch is not None else {"error": launch_error},
+        "launch": launch_info,
         "workers": {"start_method": "forkserver" if "forkserver" in methods else "spawn",
                     "shm_gib": None if shm is None else round(shm / 2**30, 2)},
         "warnings": traps,
@@ -284,7 +294,10 @@ def format_info(info: Mapping[str, Any]) -> str:
     if "error" in launch:
         lines.append(f"launch         invalid: {launch['error']}")
     elif launch["launcher"] == "none":
-        lines.append("launch         none: a plain process (rank 0 of 1)")
+        alone = launch.get("slurm_job_without_srun")
+        where = (f" in SLURM job {alone['job_id']} with {alone['tasks']} tasks, not started by srun" if alone
+                 else "")
+        lines.append(f"launch         none: a plain process (rank 0 of 1){where}")
     else:
         master = (f"{launch['master_addr']}:{launch['master_port']}"
                   if launch["master_addr"] is not None and launch["master_port"] is not None else "unknown")
@@ -556,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     """Run ``python -m nn_handler`` with ``argv``; returns the exit status.
 
+    ``info`` returns 1 when the launch variables are wrong (the report says
+    which), 0 otherwise; ``check`` returns 1 when a step fails.
+
     Raises:
         SystemExit: With status 2 for an unknown command or option (argparse).
     """
@@ -564,7 +580,10 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     if args.command == "info":
         info = collect_info()
         print(json.dumps(info, indent=2) if args.json else format_info(info), file=out)
-        return 0
+        # A wrong launch environment fails initialize_ddp in any script run
+        # here, so a preflight `python -m nn_handler info && ...` stops too.
+        # Warnings (traps) are advice and leave the status at 0.
+        return 1 if "error" in info["launch"] else 0
     info = collect_info()
     headline, steps = plan_checks(args.nprocs, args.timeout, len(info["cuda"]["devices"]), info["backends"]["nccl"])
     print(f"nn_handler check: {headline}", file=out, flush=True)

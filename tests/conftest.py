@@ -95,18 +95,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def local_slurm_script() -> Path:
+    """The script that runs a local SLURM cluster: $LOCAL_SLURM_SCRIPT, else ../shared/tools/local-slurm.sh."""
+    return Path(os.environ.get("LOCAL_SLURM_SCRIPT") or REPO.parent / "shared" / "tools" / "local-slurm.sh")
+
+
 @pytest.fixture(scope="session")
 def slurm_env():
-    """Environment of a real single-node SLURM cluster (started via ../shared/tools/local-slurm.sh)."""
-    script = REPO.parent / "shared" / "tools" / "local-slurm.sh"
+    """Environment of a real single-node SLURM cluster (started by local-slurm.sh, see local_slurm_script).
+
+    The cluster's daemons (munged, slurmctld, slurmd) outlive any test, so the
+    session stops them at its end, unless they were running before it started
+    (another session, or a person, is using them).
+    """
+    script = local_slurm_script()
     if not script.exists():
-        pytest.skip(f"no SLURM cluster script at {script}")
+        pytest.skip(f"no SLURM cluster script at {script} (set LOCAL_SLURM_SCRIPT)")
     if os.geteuid() != 0:
         pytest.skip("local-slurm.sh needs root")
-    proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.skip(f"local SLURM cluster did not start: {proc.stderr[-500:]}")
-    env = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.split("\n") if "=" in line)
-    if not shutil.which("srun"):
-        pytest.skip("srun not on PATH after starting the cluster")
-    return env
+    # `status` exits 0 only when all three daemons run.
+    was_running = subprocess.run(["bash", str(script), "status"], capture_output=True, timeout=60).returncode == 0
+    try:
+        proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            pytest.skip(f"local SLURM cluster did not start: {proc.stderr[-500:]}")
+        env = dict(line.removeprefix("export ").split("=", 1) for line in proc.stdout.split("\n") if "=" in line)
+        if not shutil.which("srun"):
+            pytest.skip("srun not on PATH after starting the cluster")
+        yield env
+    finally:
+        if not was_running:  # what this session started (or half-started), it stops
+            subprocess.run(["bash", str(script), "stop"], capture_output=True, timeout=120)

@@ -114,8 +114,66 @@ def test_collect_info_reads_the_given_environment():
     json.dumps(info)  # plain data all the way down
 
     broken = _cli.collect_info({"RANK": "0"})
-    assert broken["launch"] == {"error": "RANK is set but WORLD_SIZE is not; set both (torchrun sets them for you)"}
+    assert broken["launch"]["error"].startswith("RANK is set but WORLD_SIZE is not")
     assert any(w.startswith("the launch environment is invalid") for w in broken["warnings"])
+
+
+@pytest.mark.parametrize("environ, variable", [
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK must be an integer, got ''"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+     "MASTER_PORT must be a TCP port in 1..65535, got '70000'"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+])
+def test_info_reports_wrong_launch_variables_instead_of_crashing(environ, variable, monkeypatch):
+    info = _cli.collect_info(environ)
+    assert info["launch"]["error"].startswith(variable) and "torchrun" in info["launch"]["error"]
+    assert f"the launch environment is invalid: {variable}" in info["warnings"][0]
+    assert f"launch         invalid: {variable}" in _cli.format_info(info)
+    # The command itself: the report is printed, and the exit status says the environment is wrong.
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    out = io.StringIO()
+    assert _cli.main(["info"], out=out) == 1
+    assert f"launch         invalid: {variable}" in out.getvalue()
+    out = io.StringIO()
+    assert _cli.main(["info", "--json"], out=out) == 1
+    assert json.loads(out.getvalue())["launch"]["error"].startswith(variable)
+
+
+def test_python_m_info_with_an_empty_rank_exits_1_with_the_report():
+    result = run_command([sys.executable, "-m", "nn_handler", "info"], env={"RANK": "", "WORLD_SIZE": "2"},
+                         timeout=120)
+    assert result.returncode == 1, result.stdout
+    assert "Traceback" not in result.stdout
+    assert "launch         invalid: RANK must be an integer, got ''" in result.stdout
+
+
+BATCH_STEP = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+              "SLURM_JOB_NODELIST": "node1"}
+
+
+def test_info_inside_an_allocation_without_srun_says_so(monkeypatch):
+    info = _cli.collect_info(BATCH_STEP)
+    assert info["launch"]["launcher"] == "none"
+    assert info["launch"]["slurm_job_without_srun"] == {"job_id": "4242", "tasks": 4}
+    (warning,) = [w for w in info["warnings"] if "SLURM" in w]
+    assert "SLURM job 4242 with 4 tasks" in warning and "runs alone" in warning
+    assert "`srun python train.py` starts the 4 tasks" in warning
+    text = _cli.format_info(info)
+    assert "launch         none: a plain process (rank 0 of 1) in SLURM job 4242 with 4 tasks, not started by srun" \
+        in text
+    # An srun task of the same job is not warned about.
+    step = _cli.collect_info({**BATCH_STEP, "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"})
+    assert step["launch"]["launcher"] == "slurm" and not any("srun python" in w for w in step["warnings"])
+    # The command: reported, but the environment is valid (exit 0).
+    for name, value in BATCH_STEP.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    out = io.StringIO()
+    assert _cli.main(["info"], out=out) == 0
+    assert "SLURM job 4242 with 4 tasks" in out.getvalue()
 
 
 def test_format_info_shows_devices_launch_and_warnings():

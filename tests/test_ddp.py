@@ -147,6 +147,39 @@ def test_non_integer_rank_variable(clean_env):
         initialize_ddp()
 
 
+@pytest.mark.parametrize("environ, message", [
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK must be an integer, got ''"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
+     "MASTER_PORT must be a TCP port in 1..65535, got '70000'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "-5"},
+     "MASTER_PORT must be a TCP port in 1..65535, got '-5'"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+])
+def test_wrong_launch_variables_stop_initialize_ddp_before_torch(clean_env, no_gpu, environ, message):
+    for name, value in environ.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(LaunchEnvironmentError) as info:
+        initialize_ddp()
+    assert str(info.value).startswith(message) and "torchrun" in str(info.value)
+
+
+def test_a_plain_process_in_a_multi_task_allocation_warns_once(clean_env, no_gpu, caplog, monkeypatch):
+    # `python train.py` in an sbatch script with 4 tasks: runs alone (as before), and says so once.
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}.items():
+        clean_env.setenv(name, value)
+    clean_env.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    monkeypatch.setattr(ddp, "_warned_alone_in_slurm_job", False)
+    monkeypatch.setattr("sys.argv", ["train.py", "--epochs", "3"])
+    with caplog.at_level("WARNING", logger="nn_handler.utils.ddp"):
+        assert initialize_ddp() == (False, 0, 0, 1, torch.device("cpu"))
+        assert initialize_ddp() == (False, 0, 0, 1, torch.device("cpu"))
+    warned = [r for r in caplog.records if "SLURM job 4242" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+    text = warned[0].getMessage()
+    assert "SLURM job 4242 with 4 tasks" in text and "runs alone" in text
+    assert "`srun python train.py --epochs 3` starts the 4 tasks" in text
+
+
 def test_local_rank_without_a_gpu_of_its_own(clean_env, two_gpus):
     clean_env.setenv("RANK", "2")
     clean_env.setenv("LOCAL_RANK", "2")

@@ -3,7 +3,13 @@
 import pytest
 
 from nn_handler.errors import LaunchEnvironmentError
-from nn_handler.utils._env import derive_port, detect_launch_env, expand_nodelist, missing_rendezvous_message
+from nn_handler.utils._env import (
+    derive_port,
+    detect_launch_env,
+    expand_nodelist,
+    missing_rendezvous_message,
+    slurm_job_without_srun,
+)
 
 
 def test_plain_python_is_not_distributed():
@@ -102,7 +108,7 @@ def test_pmi_variables():
 @pytest.mark.parametrize(
     "environ, match",
     [
-        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK must be in \[0, 2\).*got 2"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK must be in \[0, 2\).*got '2'"),
         ({"RANK": "zero", "WORLD_SIZE": "2"}, r"RANK must be an integer, got 'zero'"),
         ({"RANK": "0", "WORLD_SIZE": "two"}, r"WORLD_SIZE must be an integer, got 'two'"),
         ({"RANK": "0"}, r"WORLD_SIZE is not"),
@@ -115,6 +121,89 @@ def test_bad_launch_variables_are_named(environ, match):
     with pytest.raises(LaunchEnvironmentError, match=match):
         detect_launch_env(environ)
     assert issubclass(LaunchEnvironmentError, ValueError)
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+SRUN = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7"}
+MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "x"}
+MPIEXEC = {"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    "environ, name, value, launcher, expected",
+    [
+        # set but empty, not an integer, negative, out of range: one message style for every variable
+        ({**TORCHRUN, "RANK": ""}, "RANK", "", "torchrun", "must be an integer"),
+        ({**TORCHRUN, "RANK": "-1"}, "RANK", "-1", "torchrun", "must be >= 0"),
+        ({**TORCHRUN, "WORLD_SIZE": ""}, "WORLD_SIZE", "", "torchrun", "must be an integer"),
+        ({**TORCHRUN, "LOCAL_RANK": ""}, "LOCAL_RANK", "", "torchrun", "must be an integer"),
+        ({**TORCHRUN, "LOCAL_RANK": "-1"}, "LOCAL_RANK", "-1", "torchrun", "must be >= 0"),
+        ({**TORCHRUN, "LOCAL_RANK": "2"}, "LOCAL_RANK", "2", "torchrun", "must be in [0, 2) because WORLD_SIZE=2"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1", "RANK": "1"}, "LOCAL_RANK", "1", "torchrun",
+         "must be in [0, 1) because LOCAL_WORLD_SIZE=1"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE", "0", "torchrun", "must be >= 1"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE", "3", "torchrun",
+         "must be in [1, 2] because WORLD_SIZE=2"),
+        ({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "-1"}, "TORCHELASTIC_RESTART_COUNT", "-1", "torchrun",
+         "must be >= 0"),
+        ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT", "70000", "torchrun", "must be a TCP port in 1..65535"),
+        ({**TORCHRUN, "MASTER_PORT": "-5"}, "MASTER_PORT", "-5", "torchrun", "must be a TCP port in 1..65535"),
+        ({**TORCHRUN, "MASTER_PORT": "0"}, "MASTER_PORT", "0", "torchrun", "must be a TCP port in 1..65535"),
+        ({**TORCHRUN, "MASTER_PORT": ""}, "MASTER_PORT", "", "torchrun", "must be a TCP port in 1..65535"),
+        ({**TORCHRUN, "MASTER_ADDR": " "}, "MASTER_ADDR", " ", "torchrun", "must be a host name or address"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE", "2", "torchrun", "is set but RANK is not"),
+        ({"WORLD_SIZE": ""}, "WORLD_SIZE", "", "torchrun", "is set but RANK is not"),
+        ({**SRUN, "SLURM_PROCID": ""}, "SLURM_PROCID", "", "SLURM", "must be an integer"),
+        ({**SRUN, "SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS", "0", "SLURM", "must be >= 1"),
+        ({**SRUN, "SLURM_LOCALID": "-1"}, "SLURM_LOCALID", "-1", "SLURM", "must be >= 0"),
+        ({**SRUN, "MASTER_PORT": "70000"}, "MASTER_PORT", "70000", "SLURM", "must be a TCP port in 1..65535"),
+        ({**MPIRUN, "OMPI_COMM_WORLD_RANK": ""}, "OMPI_COMM_WORLD_RANK", "", "Open MPI", "must be an integer"),
+        ({**MPIRUN, "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, "OMPI_COMM_WORLD_LOCAL_RANK", "2", "Open MPI",
+         "must be in [0, 2)"),
+        ({**MPIRUN, "MASTER_PORT": "-5"}, "MASTER_PORT", "-5", "Open MPI", "must be a TCP port in 1..65535"),
+        ({**MPIEXEC, "PMI_RANK": "-1"}, "PMI_RANK", "-1", "PMI", "must be >= 0"),
+        ({**MPIEXEC, "PMI_SIZE": "two"}, "PMI_SIZE", "two", "PMI", "must be an integer"),
+        ({**MPIEXEC, "MASTER_PORT": "70000"}, "MASTER_PORT", "70000", "PMI", "must be a TCP port in 1..65535"),
+    ],
+)
+def test_wrong_launch_variables_name_the_variable_value_and_launcher(environ, name, value, launcher, expected):
+    with pytest.raises(LaunchEnvironmentError) as info:
+        detect_launch_env(environ)
+    message = str(info.value)
+    assert message.startswith(f"{name} ") and f"{name} {expected}" in message, message
+    assert f"got {value!r}" in message or f"{name}={value!r}" in message, message
+    assert f"The launcher looks like {launcher} " in message, message
+    # and what to do: the launch command that sets the variable, or which variable to unset or fix
+    assert "unset" in message or "export" in message or "start " in message, message
+
+
+def test_launch_variables_that_are_right_still_pass():
+    assert detect_launch_env({**TORCHRUN, "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "65535"}).master_port == 65535
+    assert detect_launch_env({**TORCHRUN, "MASTER_PORT": "1"}).master_port == 1
+    assert detect_launch_env({"WORLD_SIZE": "1"}).launcher == "none"  # a world of one is what runs
+    # An sbatch script that exports WORLD_SIZE for its srun tasks: SLURM's variables decide.
+    env = detect_launch_env({**SRUN, "WORLD_SIZE": "2"})
+    assert (env.launcher, env.world_size) == ("slurm", 2)
+    # sbatch --ntasks-per-node=4 then `srun -n 2`: the allocation's count bounds nothing in the step.
+    assert detect_launch_env({**SRUN, "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "1"}).rank == 1
+
+
+def test_a_plain_process_in_a_multi_task_allocation_is_detected():
+    # `python train.py` typed in an sbatch script (sbatch -n 4): the batch step's variables, as the
+    # local SLURM cluster sets them (no SLURM_STEP_* variables; SLURM_PROCID=0, SLURM_NTASKS=4).
+    batch = {"SLURM_JOB_ID": "77", "SLURM_JOBID": "77", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "vm"}
+    assert detect_launch_env(batch).launcher == "none"  # still a single process
+    assert slurm_job_without_srun(batch) == ("77", 4)
+    # srun tasks, one-task allocations, torchrun or mpirun inside the allocation, no SLURM at all: nothing to say
+    assert slurm_job_without_srun({**batch, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0"}) is None
+    assert slurm_job_without_srun({**batch, "SLURM_NTASKS": "1"}) is None
+    assert slurm_job_without_srun({k: v for k, v in batch.items() if k != "SLURM_NTASKS"}) is None
+    assert slurm_job_without_srun({**batch, **TORCHRUN}) is None
+    assert slurm_job_without_srun({**batch, **MPIRUN}) is None
+    assert slurm_job_without_srun({}) is None
 
 
 def test_derive_port_is_stable_and_in_range():

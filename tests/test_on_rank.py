@@ -58,12 +58,141 @@ def test_without_a_group_the_function_just_runs():
     "rank, message",
     [([], "list of ranks is empty"), ((), "list of ranks is empty"), ("0", "got str '0'"),
      (1.0, "got float 1.0"), (None, "got NoneType None"), (True, "got bool True"), ([0, False], "got bool False"),
-     ([0, "1"], "got str '1'")],
+     ([0, "1"], "got str '1'"), (-1, "got -1"), ([0, -2], "got -2"), (range(-1, 2), "got -1")],
 )
-def test_bad_rank_raises_value_error_at_call_time(rank, message):
-    decorated = on_rank(rank)(lambda: "ran")  # decorating is fine: ranks are checked when called
-    with pytest.raises(ValueError, match=message):
-        decorated()
+def test_bad_rank_raises_value_error_at_decoration(rank, message):
+    # Nothing here depends on the world size, so it need not wait for the call (or for a process group).
+    with pytest.raises(ValueError, match=message) as info:
+        @on_rank(rank)
+        def save():
+            return "ran"
+    assert "on_rank(" in str(info.value)
+    if message.startswith("got -"):
+        assert "a rank is never negative" in str(info.value)
+
+
+LAUNCHED = {"torchrun": {"RANK": "1", "WORLD_SIZE": "2"},
+            "srun": {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"},
+            "mpirun": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}}
+
+
+@pytest.fixture
+def launched(monkeypatch, request):
+    """Rank 1 of 2 as a launcher sets it, before any process group exists (before initialize_ddp)."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in LAUNCHED[request.param].items():
+        monkeypatch.setenv(name, value)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("launched", list(LAUNCHED), indirect=True)
+def test_before_the_group_exists_the_launch_rank_decides(launched):
+    ran = []
+
+    @on_rank(0)
+    def save():
+        ran.append("save")
+        return "saved"
+
+    @on_rank([0, 1])
+    def both():
+        return "both"
+
+    @on_rank(1)
+    def mine():
+        inner = on_rank(0)(lambda: "inner")()  # nested: the same rule
+        return f"rank 1 ran, inner {inner}"
+
+    assert save() is None and ran == []  # rank 1 does not save what rank 0 saves
+    assert both() == "both" and mine() == "rank 1 ran, inner None"
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\) \(the world size is 2\), got 2"):
+        on_rank(2)(lambda: "ran")()
+
+
+@pytest.mark.parametrize("launched", ["torchrun"], indirect=True)
+def test_before_the_group_exists_rank_zero_runs(launched):
+    launched.setenv("RANK", "0")
+    assert on_rank(0)(lambda: "saved")() == "saved"
+    assert on_rank(1)(lambda: "ran")() is None
+
+
+@pytest.mark.parametrize("launched", ["torchrun"], indirect=True)
+def test_before_the_group_exists_what_needs_the_other_ranks_refuses(launched):
+    """Ranks cannot wait for each other or agree without a group: a clear error, not a silent local answer."""
+    calls = [
+        (lambda: on_rank(0, broadcast_result=True)(lambda: 1)(), "broadcast_result=True"),
+        (lambda: on_rank(1, barrier=True)(lambda: 1)(), "barrier=True"),
+        (lambda: any_rank(True), "any_rank"),
+        (lambda: all_ranks(True), "all_ranks"),
+    ]
+    for call, what in calls:
+        with pytest.raises(RuntimeError, match="no process group exists yet") as info:
+            call()
+        assert what in str(info.value) and "rank 1 of 2 (torchrun)" in str(info.value)
+        assert "call initialize_ddp()" in str(info.value)
+    ran = []
+    with pytest.raises(RuntimeError, match="main_process_first needs a process group"):
+        with main_process_first():
+            ran.append(1)
+    assert ran == []
+
+
+def test_a_wrong_launch_environment_is_not_taken_for_a_single_process(monkeypatch):
+    from nn_handler.errors import LaunchEnvironmentError
+
+    monkeypatch.setenv("RANK", "")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvironmentError, match="RANK must be an integer, got ''"):
+        on_rank(0)(lambda: "ran")()
+
+
+def test_a_plain_process_in_an_allocation_still_stands_for_every_rank(monkeypatch):
+    # `python train.py` in an sbatch script (no srun): one process, as without a launcher.
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "5"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    assert on_rank([1, 3], broadcast_result=True)(lambda: "ran")() == "ran"
+    assert any_rank(True) is True
+    with main_process_first():
+        pass
+
+
+_SAVE_ON_RANK_ZERO = """
+import sys
+from pathlib import Path
+from nn_handler import on_rank
+
+@on_rank(0)
+def save(directory):
+    Path(directory, f"saved-by-rank-{sys.argv[2]}").write_text("x")
+
+save(sys.argv[1])
+"""
+
+
+def test_two_launched_processes_without_a_group_save_once(tmp_path):
+    # torchrun's environment, before initialize_ddp: each process calls the @on_rank(0) function.
+    import os
+    import subprocess
+    import sys
+
+    from helpers import LAUNCH_VARS
+
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+            env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, "-c", _SAVE_ON_RANK_ZERO, str(tmp_path), str(rank)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["saved-by-rank-0"]
 
 
 def test_bare_decorator_is_a_clear_error():
@@ -292,10 +421,6 @@ def _failures(rank, world):
     def out_of_range():
         return "ran"
 
-    @on_rank([0, -1])
-    def negative():
-        return "ran"
-
     @on_rank(last, broadcast_result=True)
     def still_aligned():
         return f"hello from {rank}"
@@ -315,7 +440,6 @@ def _failures(rank, world):
         "broadcast": _caught(broadcast_then_fail),
         "unpicklable": _caught(unpicklable_result),
         "out of range": _caught(out_of_range),
-        "negative": _caught(negative),
         "aligned": _caught(still_aligned),
     }
 
@@ -359,9 +483,8 @@ def test_a_failure_raises_on_every_rank(world):
         kind, name, mro, text, ranks = r["unpicklable"]
         assert "TypeError" in mro and "cannot be pickled" in text and "broadcast_result=True" in text
 
-        for key, bad in (("out of range", str(world)), ("negative", "-1")):
-            kind, name, mro, text, ranks = r[key]
-            assert name == "ValueError" and f"rank must be in [0, {world})" in text and bad in text
+        kind, name, mro, text, ranks = r["out of range"]
+        assert name == "ValueError" and f"rank must be in [0, {world})" in text and str(world) in text
 
         assert r["aligned"] == ("returned", f"hello from {last}")
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ._env import LaunchEnv, detect_launch_env
 from .ddp import is_distributed, on_cleanup
 
 __all__ = ["any_rank", "all_ranks"]
@@ -117,6 +118,23 @@ def side_group() -> SideGroup | None:
         return side
 
 
+def require_group(what: str, purpose: str, launched: LaunchEnv | None = None) -> None:
+    """Raise when a launcher started several ranks but no process group exists yet.
+
+    Called where there is no group: a single process answers for every rank,
+    but launched ranks (torchrun, srun, mpirun before ``initialize_ddp``)
+    cannot wait for or agree with each other, and answering alone would let
+    them part ways silently.
+    """
+    launched = detect_launch_env() if launched is None else launched
+    if launched.is_distributed:
+        raise RuntimeError(
+            f"{what} needs a process group {purpose}, but this process is rank {launched.rank} of "
+            f"{launched.world_size} ({launched.launcher}) and no process group exists yet; call initialize_ddp() "
+            f"first (an NNHandler calls it when created)"
+        )
+
+
 def check_collective_allowed(what: str) -> None:
     """Raise when called where not every rank runs (see ``restricted``) instead of hanging."""
     if restricted.get():
@@ -161,9 +179,10 @@ def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None
     dist.monitored_barrier(group=side.group, timeout=timeout or side.timeout, wait_all_ranks=True)
 
 
-def _agree(flag, op) -> bool:
+def _agree(flag, op, what: str) -> bool:
     side = side_group()
     if side is None:
+        require_group(what, "to agree with the other ranks")
         return bool(flag)
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(value, op=op, group=side.group)
@@ -174,7 +193,9 @@ def any_rank(flag) -> bool:
     """True on every rank when ``flag`` is true on at least one rank.
 
     Every rank must call it (it is a collective on nn_handler's side gloo
-    group); without a process group it returns ``bool(flag)``.
+    group); without a process group it returns ``bool(flag)``, unless a
+    launcher started several ranks (before ``initialize_ddp``), which could
+    not agree: then it raises ``RuntimeError``.
 
     Args:
         flag: Anything with a truth value: a bool, or a one-element tensor
@@ -185,7 +206,8 @@ def any_rank(flag) -> bool:
 
     Raises:
         RuntimeError: Called inside an ``on_rank`` function or a
-            ``main_process_first`` block, where not every rank would join.
+            ``main_process_first`` block, where not every rank would join;
+            or in launched ranks before a process group exists.
 
     Example:
         >>> from nn_handler.utils.ddp_decorators import any_rank
@@ -198,13 +220,14 @@ def any_rank(flag) -> bool:
                 continue
     """
     check_collective_allowed("any_rank")
-    return _agree(flag, dist.ReduceOp.MAX)
+    return _agree(flag, dist.ReduceOp.MAX, "any_rank")
 
 
 def all_ranks(flag) -> bool:
     """True on every rank when ``flag`` is true on every rank.
 
-    Every rank must call it; without a process group it returns ``bool(flag)``.
+    Every rank must call it; without a process group it returns ``bool(flag)``
+    (launched ranks before ``initialize_ddp``: ``RuntimeError``, as ``any_rank``).
 
     Args:
         flag: Anything with a truth value.
@@ -227,4 +250,4 @@ def all_ranks(flag) -> bool:
                 break
     """
     check_collective_allowed("all_ranks")
-    return _agree(flag, dist.ReduceOp.MIN)
+    return _agree(flag, dist.ReduceOp.MIN, "all_ranks")

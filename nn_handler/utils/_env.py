@@ -56,17 +56,49 @@ class LaunchEnv:
         return self.world_size > 1
 
 
-def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+# The launcher each kind of variables comes from, a variable whose presence
+# shows it, and how to start it right: every wrong variable is reported as
+# "<what is wrong>. The launcher looks like <who> (<marker> is set); <remedy>".
+_LAUNCHERS: dict[str, tuple[str, str, str]] = {
+    "torchrun": ("torchrun", "RANK",
+                 "start the script with `torchrun --nproc_per_node=N script.py`, which sets RANK, WORLD_SIZE, "
+                 "LOCAL_RANK, MASTER_ADDR and MASTER_PORT; if you set them yourself, correct {name}, or unset "
+                 "them all to run a single process"),
+    "slurm": ("SLURM", "SLURM_PROCID",
+              "start the tasks with `srun python script.py` and leave the SLURM_* variables to srun "
+              "(do not export them yourself)"),
+    "openmpi": ("Open MPI", "OMPI_COMM_WORLD_RANK",
+                "start the ranks with `mpirun -np N python script.py` and leave the OMPI_COMM_WORLD_* "
+                "variables to mpirun"),
+    "pmi": ("PMI (MPICH, Intel MPI)", "PMI_RANK",
+            "start the ranks with `mpiexec -n N python script.py` and leave the PMI_* and MPI_LOCAL* "
+            "variables to mpiexec"),
+}
+
+
+def _launch_error(launcher: Launcher, name: str, problem: str, remedy: str | None = None,
+                  marker: str | None = None) -> LaunchEnvironmentError:
+    """The one form of every wrong-variable error: what is wrong with ``name``, which launcher, what to do."""
+    who, default_marker, how = _LAUNCHERS[launcher]
+    return LaunchEnvironmentError(
+        f"{problem}. The launcher looks like {who} ({marker or default_marker} is set); "
+        f"{remedy or how.format(name=name)}"
+    )
+
+
+def _int(environ: Mapping[str, str], name: str, launcher: Launcher, default: int | None = None,
+         minimum: int = 0) -> int | None:
+    """``environ[name]`` as an int >= ``minimum``; ``default`` when unset. Set but empty is wrong too."""
     raw = environ.get(name)
-    if raw is None or raw.strip() == "":
+    if raw is None:
         return default
     try:
-        return int(raw.strip())
+        value = int(raw.strip())
     except ValueError:
-        raise LaunchEnvironmentError(
-            f"environment variable {name} must be an integer, got {raw!r}; "
-            f"unset it or fix the launch command that sets it"
-        ) from None
+        raise _launch_error(launcher, name, f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise _launch_error(launcher, name, f"{name} must be >= {minimum}, got {raw!r}")
+    return value
 
 
 def derive_port(job_id: str) -> int:
@@ -123,45 +155,73 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _master_from_env(environ: Mapping[str, str]) -> tuple[str | None, int | None]:
-    return environ.get("MASTER_ADDR") or None, _int(environ, "MASTER_PORT")
+def _master_from_env(environ: Mapping[str, str], launcher: Launcher) -> tuple[str | None, int | None]:
+    if launcher == "torchrun":
+        fix_addr = "export the host name of rank 0's node (torchrun sets it for you)"
+        fix_port = "pass a free port with `torchrun --master_port=PORT`, or export one " \
+                   "(nn_handler.find_free_port() finds one)"
+    else:
+        fix_addr = "export the host name of rank 0's node, or unset MASTER_ADDR to let nn_handler choose"
+        fix_port = "export a free port (nn_handler.find_free_port() finds one), or unset MASTER_PORT to let " \
+                   "nn_handler derive one from the job id"
+    addr = environ.get("MASTER_ADDR")
+    if addr is not None and not addr.strip():
+        raise _launch_error(launcher, "MASTER_ADDR", f"MASTER_ADDR must be a host name or address, got {addr!r}",
+                            fix_addr)
+    raw = environ.get("MASTER_PORT")
+    if raw is None:
+        return addr, None
+    port = raw.strip()
+    # int() would take "+80" and "8_0"; a port is plain digits.
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _launch_error(launcher, "MASTER_PORT", f"MASTER_PORT must be a TCP port in 1..65535, got {raw!r}",
+                            fix_port)
+    return addr, int(port)
 
 
-def _check_ranks(env: LaunchEnv, rank_var: str, size_var: str) -> LaunchEnv:
-    if env.world_size < 1:
-        raise LaunchEnvironmentError(f"{size_var} must be >= 1, got {env.world_size}")
-    if not 0 <= env.rank < env.world_size:
-        raise LaunchEnvironmentError(
-            f"{rank_var} must be in [0, {env.world_size}) because {size_var}={env.world_size}, "
-            f"got {env.rank}; check the launch command"
-        )
-    if env.local_rank < 0:
-        raise LaunchEnvironmentError(f"local rank must be >= 0, got {env.local_rank}")
+def _check_ranks(environ: Mapping[str, str], env: LaunchEnv, rank_var: str, size_var: str, local_rank_var: str,
+                 local_size_var: str | None) -> LaunchEnv:
+    """Check the ranks against the sizes (each is already an int in range on its own)."""
+    def bad(var: str, allowed: str, because: str) -> LaunchEnvironmentError:
+        return _launch_error(env.launcher, var, f"{var} must be in {allowed} because {because}, "
+                                                f"got {environ[var]!r}")
+
+    if not env.rank < env.world_size:
+        raise bad(rank_var, f"[0, {env.world_size})", f"{size_var}={env.world_size}")
+    local_size = env.local_world_size if local_size_var else None
+    if local_size is not None and local_size > env.world_size:
+        raise bad(local_size_var, f"[1, {env.world_size}]", f"{size_var}={env.world_size}")
+    if local_size is not None and not env.local_rank < local_size:
+        raise bad(local_rank_var, f"[0, {local_size})", f"{local_size_var}={local_size}")
+    if not env.local_rank < env.world_size:
+        raise bad(local_rank_var, f"[0, {env.world_size})", f"{size_var}={env.world_size}")
     return env
 
 
 def _torchrun(environ: Mapping[str, str]) -> LaunchEnv:
     if "WORLD_SIZE" not in environ:
-        raise LaunchEnvironmentError(
-            "RANK is set but WORLD_SIZE is not; set both (torchrun sets them for you)"
+        raise _launch_error(
+            "torchrun", "RANK", f"RANK is set but WORLD_SIZE is not: RANK={environ['RANK']!r} alone does not say "
+            f"how many processes the job has", "set both (torchrun sets them for you), or unset RANK to run a "
+            f"single process"
         )
-    addr, port = _master_from_env(environ)
+    addr, port = _master_from_env(environ, "torchrun")
     env = LaunchEnv(
         launcher="torchrun",
-        rank=_int(environ, "RANK"),
-        world_size=_int(environ, "WORLD_SIZE"),
-        local_rank=_int(environ, "LOCAL_RANK", 0),
-        local_world_size=_int(environ, "LOCAL_WORLD_SIZE"),
+        rank=_int(environ, "RANK", "torchrun"),
+        world_size=_int(environ, "WORLD_SIZE", "torchrun", minimum=1),
+        local_rank=_int(environ, "LOCAL_RANK", "torchrun", 0),
+        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", "torchrun", minimum=1),
         master_addr=addr,
         master_port=port,
-        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", "torchrun", 0),
         uses_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
-    return _check_ranks(env, "RANK", "WORLD_SIZE")
+    return _check_ranks(environ, env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def _slurm(environ: Mapping[str, str]) -> LaunchEnv:
-    addr, port = _master_from_env(environ)
+    addr, port = _master_from_env(environ, "slurm")
     if addr is None and environ.get("SLURM_JOB_NODELIST", environ.get("SLURM_NODELIST")):
         addr = expand_nodelist(environ.get("SLURM_JOB_NODELIST") or environ["SLURM_NODELIST"])[0]
     job_id = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID"))
@@ -172,21 +232,23 @@ def _slurm(environ: Mapping[str, str]) -> LaunchEnv:
     size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
     env = LaunchEnv(
         launcher="slurm",
-        rank=_int(environ, "SLURM_PROCID"),
-        world_size=_int(environ, size_var, 1),
-        local_rank=_int(environ, "SLURM_LOCALID", 0),
-        local_world_size=_int(environ, "SLURM_NTASKS_PER_NODE"),
+        rank=_int(environ, "SLURM_PROCID", "slurm"),
+        world_size=_int(environ, size_var, "slurm", 1, minimum=1),
+        local_rank=_int(environ, "SLURM_LOCALID", "slurm", 0),
+        local_world_size=_int(environ, "SLURM_NTASKS_PER_NODE", "slurm", minimum=1),
         master_addr=addr,
         master_port=port,
     )
-    return _check_ranks(env, "SLURM_PROCID", size_var)
+    # SLURM_NTASKS_PER_NODE describes the allocation; an srun step may place
+    # more or fewer tasks per node, so it bounds nothing here.
+    return _check_ranks(environ, env, "SLURM_PROCID", size_var, "SLURM_LOCALID", None)
 
 
 def _mpi(environ: Mapping[str, str], launcher: Launcher, *, rank: str, size: str, local_rank: str,
          local_size: str, job_ids: tuple[str, ...]) -> LaunchEnv:
-    world_size = _int(environ, size, 1)
-    local_world_size = _int(environ, local_size)
-    addr, port = _master_from_env(environ)
+    world_size = _int(environ, size, launcher, 1, minimum=1)
+    local_world_size = _int(environ, local_size, launcher, minimum=1)
+    addr, port = _master_from_env(environ, launcher)
     # mpirun/mpiexec provide no rendezvous address. When every rank is on this
     # node, loopback works and the job id (shared by all ranks) gives a port.
     if local_world_size == world_size:
@@ -196,14 +258,14 @@ def _mpi(environ: Mapping[str, str], launcher: Launcher, *, rank: str, size: str
             port = derive_port(job_id)
     env = LaunchEnv(
         launcher=launcher,
-        rank=_int(environ, rank),
+        rank=_int(environ, rank, launcher),
         world_size=world_size,
-        local_rank=_int(environ, local_rank, 0),
+        local_rank=_int(environ, local_rank, launcher, 0),
         local_world_size=local_world_size,
         master_addr=addr,
         master_port=port,
     )
-    return _check_ranks(env, rank, size)
+    return _check_ranks(environ, env, rank, size, local_rank, local_size)
 
 
 def _openmpi(environ: Mapping[str, str]) -> LaunchEnv:
@@ -232,8 +294,12 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         A :class:`LaunchEnv`; ``launcher == "none"`` for a plain ``python`` run.
 
     Raises:
-        LaunchEnvironmentError: A variable is not an integer, a rank is out of
-            range, or a required partner variable is missing.
+        LaunchEnvironmentError: A variable is set but wrong (empty, not an
+            integer, negative, a rank not below its size, a port outside
+            1..65535), or a partner variable is missing (``RANK`` without
+            ``WORLD_SIZE``, ``WORLD_SIZE`` without ``RANK``). The message names
+            the variable, its value, the launcher it seems to come from and
+            what to do.
 
     Example:
         >>> detect_launch_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).rank
@@ -250,6 +316,15 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         return _slurm(environ)
     if "PMI_RANK" in environ:
         return _pmi(environ)
+    if environ.get("WORLD_SIZE", "1").strip() != "1":
+        # A world of several processes, but nothing says which one this is:
+        # running alone would silently train on one process only.
+        raise _launch_error(
+            "torchrun", "WORLD_SIZE", f"WORLD_SIZE is set but RANK is not: with WORLD_SIZE={environ['WORLD_SIZE']!r} "
+            f"this process would run alone, as rank 0 of 1",
+            "start the script with `torchrun --nproc_per_node=N script.py`, which sets RANK too; if you set them "
+            "yourself, set RANK as well, or unset WORLD_SIZE to run a single process", marker="WORLD_SIZE",
+        )
     return LaunchEnv()
 
 
@@ -261,6 +336,34 @@ def _is_slurm_step(environ: Mapping[str, str]) -> bool:
     return "SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" not in environ or (
         environ.get("SLURM_NTASKS") == "1"
     )
+
+
+def slurm_job_without_srun(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """``(job id, tasks)`` when this plain process runs inside a SLURM allocation of several tasks.
+
+    That is ``python train.py`` typed in an sbatch script (or an salloc shell)
+    without ``srun``: the allocation has ``SLURM_NTASKS`` tasks, but only this
+    one process runs. ``None`` for an srun task, a one-task allocation, another
+    launcher inside the allocation, or no SLURM at all.
+
+    Example:
+        >>> slurm_job_without_srun({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+        ('77', 4)
+    """
+    environ = os.environ if environ is None else environ
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    ntasks = environ.get("SLURM_NTASKS", "").strip()
+    if not job_id or not ntasks.isdigit() or int(ntasks) < 2 or "SLURM_STEP_NUM_TASKS" in environ:
+        return None
+    if any(name in environ for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        return None  # torchrun or mpirun started inside the allocation: they know their world
+    return job_id, int(ntasks)
+
+
+def slurm_job_without_srun_message(job_id: str, tasks: int, command: str = "python train.py") -> str:
+    """What to tell a process that :func:`slurm_job_without_srun` found alone in its job."""
+    return (f"this is SLURM job {job_id} with {tasks} tasks, but this process was not started by srun and runs "
+            f"alone (rank 0 of 1, no process group); `srun {command}` starts the {tasks} tasks")
 
 
 def missing_rendezvous_message(env: LaunchEnv) -> str:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
 from . import _collectives as coll
+from ._env import detect_launch_env
 from .ddp import is_distributed
 
 __all__ = ["on_rank", "main_process_first"]
@@ -39,9 +40,11 @@ def _describe(value) -> str:
 
 
 def _target_ranks(rank, name: str) -> tuple[int, ...]:
-    """Normalise ``rank`` to sorted distinct ints, or raise ValueError (no range check: see ``_check_range``)."""
-    if type(rank) is int:  # the common case, on every call: keep it cheap
-        return (rank,)
+    """Normalise ``rank`` to sorted distinct ints >= 0, or raise ValueError.
+
+    Called at decoration: nothing here depends on the world size, which is
+    checked at call time (``_check_range``).
+    """
     if isinstance(rank, (list, tuple, set, frozenset, range)):
         items = list(rank)
         if not items:
@@ -59,6 +62,12 @@ def _target_ranks(rank, name: str) -> tuple[int, ...]:
             raise ValueError(
                 f"on_rank({name}): a rank must be an int or a list of ints, got {_describe(item)}"
             ) from None
+    negative = sorted(r for r in ranks if r < 0)
+    if negative:
+        raise ValueError(
+            f"on_rank({name}): a rank is never negative (ranks count from 0; the last rank is world_size - 1), "
+            f"got {negative[0] if len(negative) == 1 else negative}"
+        )
     return tuple(sorted(ranks))
 
 
@@ -159,12 +168,17 @@ def on_rank(
     is also an instance of the original exception type where possible (so
     ``except ValueError`` works on every rank).
 
-    The target ranks are checked when the function is called, not when it
-    is decorated, so it may be defined before the process group exists.
-    Without a process group the function just runs (the single process
-    stands for every rank). An ``on_rank`` function called from inside
-    another one (or inside a ``main_process_first`` block) runs locally on
-    its target ranks, without an exchange, since not every rank is there.
+    A negative rank, an empty list or a rank that is not an int is an error
+    at decoration. Whether the ranks exist is checked when the function is
+    called, so it may be defined before the process group exists. Called
+    before the group exists in a process that a launcher started as one of
+    several ranks (torchrun, srun, mpirun, before ``initialize_ddp``), it
+    runs on the target ranks only, by the launcher's rank, and cannot
+    ``broadcast_result`` or meet at a ``barrier`` (RuntimeError). Without a
+    launcher and without a group it just runs (the single process stands for
+    every rank). An ``on_rank`` function called from inside another one (or
+    inside a ``main_process_first`` block) runs locally on its target ranks,
+    without an exchange, since not every rank is there.
 
     Args:
         rank: A rank or a list of ranks to run on.
@@ -181,8 +195,11 @@ def on_rank(
         the target ranks and ``None`` (or the broadcast result) elsewhere.
 
     Raises:
-        ValueError: At call time on every rank: a rank outside
-            ``[0, world_size)``, an empty list, or a rank that is not an int.
+        ValueError: At decoration: a negative rank, an empty list, or a rank
+            that is not an int. At call time on every rank: a rank not below
+            the world size.
+        RuntimeError: ``broadcast_result`` or ``barrier`` in launched ranks
+            before a process group exists.
         RankFailedError: On the ranks where the function did not fail, when
             it failed on a target rank.
 
@@ -207,20 +224,31 @@ def on_rank(
 
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
         name = getattr(func, "__qualname__", None) or repr(func)
+        targets = _target_ranks(rank, name)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            targets = _target_ranks(rank, name)
-            side = coll.side_group() if not coll.restricted.get() else None
-            if side is None:
-                if not is_distributed():
-                    return func(*args, **kwargs)
-                # Nested in code that only some ranks run: no exchange is
-                # possible, so run locally on the target ranks.
-                _check_range(targets, dist.get_world_size(), name)
-                return func(*args, **kwargs) if dist.get_rank() in targets else None
-            _check_range(targets, side.size, name)
-            return _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result)
+            nested = coll.restricted.get()
+            side = coll.side_group() if not nested else None
+            if side is not None:
+                _check_range(targets, side.size, name)
+                return _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result)
+            # No exchange possible: nested in code that only some ranks run,
+            # or launched ranks before initialize_ddp. Run on the target ranks.
+            if is_distributed():
+                me, world = dist.get_rank(), dist.get_world_size()
+            else:
+                launched = detect_launch_env()
+                if not launched.is_distributed:
+                    return func(*args, **kwargs)  # a single process stands for every rank
+                if not nested and (barrier or broadcast_result):
+                    option = "broadcast_result=True" if broadcast_result else "barrier=True"
+                    coll.require_group(f"on_rank({name}) with {option}",
+                                       "to send the result to the other ranks" if broadcast_result
+                                       else "to make the other ranks wait", launched)
+                me, world = launched.rank, launched.world_size
+            _check_range(targets, world, name)
+            return func(*args, **kwargs) if me in targets else None
 
         return wrapper
 
@@ -264,11 +292,13 @@ def main_process_first() -> Iterator[None]:
     instance of the original type where possible) instead of running their
     block. When the others have run their block, rank 0 leaves the ``with``
     statement too, and a failure on any of them raises on every rank. Without
-    a process group the block just runs.
+    a process group the block just runs, unless a launcher started several
+    ranks (then the others could not wait: call ``initialize_ddp`` first).
 
     Raises:
         RankFailedError: On the ranks whose block did not fail, when the
             block failed on another rank.
+        RuntimeError: In launched ranks before a process group exists.
 
     Example:
         >>> from nn_handler.utils.ddp_decorators import main_process_first
@@ -280,6 +310,7 @@ def main_process_first() -> Iterator[None]:
     coll.check_collective_allowed("main_process_first")
     side = coll.side_group()
     if side is None:
+        coll.require_group("main_process_first", "to make the other ranks wait for rank 0")
         yield
         return
     name = "main_process_first block"

@@ -17,7 +17,9 @@ import atexit
 import gc
 import logging
 import os
+import shlex
 import socket
+import sys
 import warnings
 from datetime import timedelta
 from typing import Mapping, Union
@@ -26,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DeviceError, LaunchEnvironmentError
-from ._env import LaunchEnv, detect_launch_env, missing_rendezvous_message
+from ._env import (
+    LaunchEnv,
+    detect_launch_env,
+    missing_rendezvous_message,
+    slurm_job_without_srun,
+    slurm_job_without_srun_message,
+)
 
 __all__ = [
     "initialize_ddp",
@@ -285,8 +293,14 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
         call, or ``None`` when a process group already exists. A plain
         ``python`` run gives ``(False, 0, 0, 1, device)``.
 
+    A plain process inside a SLURM allocation of several tasks (``python
+    train.py`` in an sbatch script, without ``srun``) runs alone, as before,
+    and logs a warning saying so, once per process.
+
     Raises:
-        LaunchEnvironmentError: Malformed or incomplete launch variables.
+        LaunchEnvironmentError: Launch variables that are set but wrong
+            (``RANK=""``, ``MASTER_PORT=70000``, ``WORLD_SIZE`` without
+            ``RANK``, a rank not below the world size), before torch sees them.
         ValueError: A non-positive timeout.
 
     Example:
@@ -299,6 +313,7 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
     env = detect_launch_env()
     device = _device_for_local_rank(env.local_rank)
     if not env.is_distributed:
+        _warn_if_alone_in_slurm_job()
         return False, 0, 0, 1, device
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -315,6 +330,23 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
         _atexit_registered = True
     log.info("rank %d/%d joined a %s group on %s (%s)", env.rank, env.world_size, backend, device, env.launcher)
     return True, env.rank, env.local_rank, env.world_size, device
+
+
+_warned_alone_in_slurm_job = False
+
+
+def _warn_if_alone_in_slurm_job() -> None:
+    # `python train.py` in an sbatch script runs one process where the job
+    # asked for several: legal (a preprocessing step, say), so a warning, once.
+    global _warned_alone_in_slurm_job
+    found = slurm_job_without_srun()
+    if found is None or _warned_alone_in_slurm_job:
+        return
+    _warned_alone_in_slurm_job = True
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else ""
+    command = shlex.join(["python", *sys.argv]) if script and os.path.basename(script) != "__main__.py" \
+        else "python train.py"
+    log.warning("%s", slurm_job_without_srun_message(*found, command=command))
 
 
 def _device_for_local_rank(local_rank: int) -> torch.device:
