@@ -238,6 +238,20 @@ def test_pruning_deletes_only_this_runs_checkpoints_in_write_order(tmp_path):
                                             "epoch-0008.ckpt", "epoch-0009.ckpt"]
 
 
+def test_checkpoints_written_before_runs_were_recorded_still_resume_and_are_pruned(tmp_path, straight):
+    build(tmp_path).train(2, progress=False)
+    for path in list_run_checkpoints(tmp_path):  # as an older nn_handler wrote them: no run id, no write number
+        payload = load_payload(path)
+        del payload["run"]
+        atomic_save(payload, path)
+    with pytest.raises(ConfigurationError, match="holds checkpoints of another run"):
+        build(tmp_path).train(EPOCHS, progress=False)  # a new run: refused all the same
+    rerun = build(tmp_path, resume="auto")
+    rerun.train(EPOCHS, progress=False)
+    assert summary(rerun) == straight
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]  # the older files were its own
+
+
 def test_overwrite_settings_are_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="overwrite=True applies to checkpoint_dir"):
         NNHandler(torch.nn.Linear(2, 1), overwrite=True)
