@@ -26,6 +26,7 @@ import random
 import re
 import uuid
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,6 +47,11 @@ __all__ = [
     "is_temp_file",
     "run_checkpoint_name",
     "run_checkpoint_key",
+    "UNNAMED_RUN",
+    "run_info",
+    "read_run_info",
+    "RunCheckpoint",
+    "scan_run_checkpoints",
     "list_run_checkpoints",
     "prune_run_checkpoints",
     "remove_stale_temp_files",
@@ -126,20 +132,24 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
+def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """Load a file written by :func:`atomic_save` (or ``torch.save``) with ``weights_only=True``.
 
     Args:
         path: The file.
         map_location: Where tensors go; CPU by default, so a GPU checkpoint
             loads anywhere.
+        mmap: Map the tensors' bytes instead of reading them (for a look at
+            the small values of a large file); ignored for the pre-1.6 format.
 
     Returns:
         The saved object.
 
     Raises:
-        CheckpointError: The file does not exist, is truncated or corrupt, or
-            holds objects other than tensors and plain Python values.
+        CheckpointError: The file does not exist, is not a ``torch.save`` file
+            (text, another program's archive), is truncated or corrupt, or
+            holds objects other than tensors and plain Python values. The
+            message names the file.
 
     Example:
         >>> load_payload("/nonexistent/x.ckpt")
@@ -151,8 +161,9 @@ def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     size = path.stat().st_size
+    is_zip = _check_torch_file(path, size)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and is_zip)
     except pickle.UnpicklingError as exc:
         if "Unsupported global" not in str(exc):  # random bytes read as an old-style pickle
             raise CheckpointError(
@@ -166,11 +177,65 @@ def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
             f"checkpoint {path} holds objects that torch.load(weights_only=True) refuses "
             f"(only tensors and plain Python values are allowed): {first}"
         ) from exc
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except MemoryError:
+        raise
+    except Exception as exc:
+        # torch's legacy loader fails on bytes it cannot parse with whatever it
+        # hit first (KeyError, IndexError, struct.error, ...): all mean "not a
+        # file torch.save wrote in full".
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        detail = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated ({size} bytes; was its write interrupted?): {first}"
+            f"checkpoint {path} is corrupt or truncated ({size} bytes; was its write interrupted?): {detail}"
         ) from exc
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = 0x80  # the first byte of torch's pre-1.6 format, a pickle of protocol 2 or later
+
+
+def _check_torch_file(path: Path, size: int) -> bool:
+    """Refuse, naming ``path``, what is plainly not a torch.save file; True for a zip archive torch can read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from exc
+    if not head:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated (0 bytes; was its write interrupted?): "
+                              f"the file is empty")
+    if head.startswith(_ZIP_MAGIC):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError):
+            # The central directory is at the end: a zip cut short has none.
+            raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({size} bytes; was its write "
+                                  f"interrupted?): an incomplete zip archive") from None
+        if not any(n.endswith("/data.pkl") for n in names):
+            raise CheckpointError(f"{path} is not a torch.save file: it is a zip archive of "
+                                  f"{_names(sorted(names), 4)}; was another file saved under this name?")
+        return True
+    if head[0] != _PICKLE_PROTO:
+        text = _as_text(head)
+        if text is not None:
+            line = text.splitlines()[0] if text.strip() else text
+            raise CheckpointError(f"{path} is not a torch.save file: it holds text ({line[:60]!r}); "
+                                  f"was a log or a CSV file saved under this name?")
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({size} bytes; was its write "
+                              f"interrupted?): not a torch.save file")
+    return False
+
+
+def _as_text(head: bytes) -> str | None:
+    # The last bytes read may end inside a UTF-8 character.
+    for cut in range(4):
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return text if all(c.isprintable() or c in "\t\r\n" for c in text) else None
+    return None
 
 
 def state_dict_diff(
@@ -349,29 +414,112 @@ def run_checkpoint_key(path: str | os.PathLike) -> tuple[int, int] | None:
     return (epoch - 1, batches) if batches else (epoch, 0)
 
 
-def list_run_checkpoints(dirpath: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints of a run directory, oldest first by training progress.
+#: The run of checkpoints written before nn_handler recorded runs in them.
+UNNAMED_RUN = "unnamed"
+
+
+def run_info(payload: Mapping[str, Any]) -> tuple[str, int | None]:
+    """``(run id, write number)`` of a handler checkpoint's payload.
+
+    ``NNHandler`` writes both into every file of its ``checkpoint_dir``: the
+    run id names the run (a rerun that resumes keeps it), the write number
+    counts the directory's writes (1, 2, ...). Older files have neither:
+    ``(UNNAMED_RUN, None)``.
+
+    Example:
+        >>> run_info({"run": {"id": "3f2a", "seq": 7}}), run_info({})
+        (('3f2a', 7), ('unnamed', None))
+    """
+    run = payload.get("run")
+    if not isinstance(run, Mapping) or not isinstance(run.get("id"), str):
+        return UNNAMED_RUN, None
+    seq = run.get("seq")
+    return run["id"], seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def read_run_info(path: str | os.PathLike) -> tuple[str, int | None]:
+    """:func:`run_info` of a checkpoint file, without reading its tensors.
+
+    Raises:
+        CheckpointError: The file cannot be read, or is not an nn_handler checkpoint.
+    """
+    payload = load_payload(path, mmap=True)  # the pickle alone: cheap even for a large file
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an nn_handler checkpoint")
+    return run_info(payload)
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """A file of a run directory, as :func:`scan_run_checkpoints` found it.
+
+    Attributes:
+        path: The file.
+        run_id: The run that wrote it (``None``: the file cannot be read).
+        seq: Its place in the directory's write order (``None``: written
+            before nn_handler numbered writes, or unreadable).
+        error: Why the file cannot be read, else ``None``.
+    """
+
+    path: Path
+    run_id: str | None
+    seq: int | None
+    error: str | None = None
+
+
+def _write_order(entry: RunCheckpoint):
+    # Numbered files in the order they were written; the older files without
+    # a number come before them, by training progress as they always were.
+    return (entry.seq is not None, entry.seq or 0, run_checkpoint_key(entry.path), entry.path.name)
+
+
+def scan_run_checkpoints(dirpath: str | os.PathLike) -> list[RunCheckpoint]:
+    """The checkpoints of a run directory with their run and write number, oldest write first.
 
     Only names made by :func:`run_checkpoint_name` count (other files, such as
     :class:`~nn_handler.ModelCheckpoint`'s, are left out), and temporary files
-    of an interrupted write never do.
+    of an interrupted write never do. Write numbers, not epoch numbers or
+    modification times, give the order: a run resumed from an earlier
+    checkpoint writes lower epoch numbers after higher ones, and copies or
+    clock skew between the nodes of a shared file system change mtimes.
+
+    Example:
+        >>> scan_run_checkpoints("/nonexistent")
+        []
+    """
+    found = []
+    for path in list_checkpoints(dirpath):
+        if run_checkpoint_key(path) is None:
+            continue
+        try:
+            run_id, seq = read_run_info(path)
+        except CheckpointError as exc:
+            found.append(RunCheckpoint(path, None, None, str(exc)))
+        else:
+            found.append(RunCheckpoint(path, run_id, seq))
+    return sorted(found, key=_write_order)
+
+
+def list_run_checkpoints(dirpath: str | os.PathLike) -> list[Path]:
+    """The checkpoints of a run directory, oldest write first (see :func:`scan_run_checkpoints`).
 
     Example:
         >>> list_run_checkpoints("/nonexistent")
         []
     """
-    found = [(key, p) for p in list_checkpoints(dirpath) if (key := run_checkpoint_key(p)) is not None]
-    return [p for _, p in sorted(found)]
+    return [entry.path for entry in scan_run_checkpoints(dirpath)]
 
 
-def prune_run_checkpoints(dirpath: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` run checkpoints; returns the deleted paths.
+def prune_run_checkpoints(dirpath: str | os.PathLike, keep_last: int, *, run_id: str) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints that run ``run_id`` wrote; returns the deleted paths.
 
-    A file that cannot be deleted is logged and kept: losing old checkpoints
+    Another run's files, and files that cannot be read, are never touched. A
+    file that cannot be deleted is logged and kept: losing old checkpoints
     late is better than failing a training run over it.
     """
+    own = [entry.path for entry in scan_run_checkpoints(dirpath) if entry.run_id == run_id]
     removed = []
-    for path in list_run_checkpoints(dirpath)[:-keep_last] if keep_last > 0 else []:
+    for path in own[:-keep_last] if keep_last > 0 else []:
         try:
             path.unlink()
             removed.append(path)

@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, Union
@@ -53,15 +54,17 @@ from .checkpoint import (
     FORMAT,
     atomic_save,
     capture_rng_state,
-    list_run_checkpoints,
     load_payload,
     load_weights,
     prune_run_checkpoints,
+    read_run_info,
     remove_stale_temp_files,
     restore_rng_state,
     run_checkpoint_name,
+    run_info,
+    scan_run_checkpoints,
 )
-from .errors import CheckpointError, ConfigurationError, NonFiniteLossError
+from .errors import CheckpointError, CheckpointMismatchError, ConfigurationError, NonFiniteLossError
 from .history import History
 from .utils._collectives import side_group
 from .utils.ddp import (
@@ -171,16 +174,24 @@ class NNHandler:
             collective) every that many batches.
         checkpoint_dir: Write a full checkpoint into this directory after
             every epoch (``epoch-NNNN.ckpt``, atomically, from rank 0; on a
-            shared file system for multi-node jobs), keep the newest
+            shared file system for multi-node jobs), keep this run's newest
             ``keep_last``, and, while :meth:`train` runs, turn SIGTERM into a
             checkpoint and a clean exit (:class:`~nn_handler.TrainingPreempted`,
-            exit code :data:`~nn_handler.PREEMPTED_EXIT_CODE`).
+            exit code :data:`~nn_handler.PREEMPTED_EXIT_CODE`). Every file
+            names its run; a directory that holds another run's checkpoints
+            is refused when :meth:`train` starts (see ``overwrite``).
         resume: ``"auto"``: at the start of :meth:`train`, load the newest
-            complete checkpoint of ``checkpoint_dir`` if there is one (rank 0
-            picks it, every rank loads that file), so rerunning a stopped,
-            crashed or preempted job, or torchrun restarting it, continues
-            where it stopped. A path: load that checkpoint. ``None``: start fresh.
-        keep_last: How many of ``checkpoint_dir``'s checkpoints to keep (>= 1).
+            complete checkpoint of ``checkpoint_dir`` by write order if there
+            is one (rank 0 picks it and logs which, every rank loads that
+            file) and continue its run, so rerunning a stopped, crashed or
+            preempted job, or torchrun restarting it, continues where it
+            stopped. A path: load that checkpoint and continue its run.
+            ``None``: start a new run.
+        keep_last: How many of this run's checkpoints in ``checkpoint_dir`` to keep (>= 1).
+        overwrite: Start this run (``resume=None``, or a ``resume`` path) in
+            a ``checkpoint_dir`` that holds another run's checkpoints by
+            deleting those first; without it, :meth:`train` refuses such a
+            directory with a :class:`~nn_handler.ConfigurationError`.
         preemption_check_every: Agree on "a rank got SIGTERM" every this many
             optimizer steps (a one-int collective); by default about once a
             second of training, whatever the step time (see :mod:`nn_handler._preemption`).
@@ -198,7 +209,8 @@ class NNHandler:
         ConfigurationError: ``grad_accum_steps`` < 1, a non-positive
             ``clip_grad_norm``, unknown ``ddp_kwargs``, metrics that are not
             callables, an optimizer that holds none of the model's parameters,
-            ``resume="auto"`` without a ``checkpoint_dir``.
+            ``resume="auto"`` without a ``checkpoint_dir``, ``overwrite``
+            without a ``checkpoint_dir`` or with ``resume="auto"``.
 
     Example:
         >>> from torch import nn
@@ -232,6 +244,7 @@ class NNHandler:
         resume: Resume = None,
         keep_last: int = 2,
         preemption_check_every: int | None = None,
+        overwrite: bool = False,
     ):
         self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -242,8 +255,22 @@ class NNHandler:
             raise ConfigurationError("resume='auto' looks for checkpoints in checkpoint_dir; pass checkpoint_dir=...")
         if resume is not None and not isinstance(resume, (str, os.PathLike)):
             raise ConfigurationError(f"resume must be None, 'auto' or a checkpoint path, got {resume!r}")
+        if not isinstance(overwrite, bool):
+            raise ConfigurationError(f"overwrite must be True or False, got {overwrite!r}")
+        if overwrite and self.checkpoint_dir is None:
+            raise ConfigurationError("overwrite=True applies to checkpoint_dir's files; pass checkpoint_dir=...")
+        if overwrite and resume == "auto":
+            raise ConfigurationError("overwrite=True starts a new run over the checkpoints in checkpoint_dir, and "
+                                     "resume='auto' continues them: choose one")
+        self.overwrite = overwrite
         self._resume: Resume = resume
-        self._resume_pending = resume is not None
+        # The first train() loads what resume names and claims checkpoint_dir (_start_run).
+        self._start_pending = resume is not None or self.checkpoint_dir is not None
+        # Written into every checkpoint: the files of checkpoint_dir that carry
+        # this id are this run's (to prune, to resume). A resumed checkpoint's
+        # id replaces it, so a rerun continues the same run.
+        self._run_id = uuid.uuid4().hex
+        self._run_seq = 0  # checkpoint_dir's last write number (rank 0 numbers the files it writes)
         self._resume_partial: dict[str, Any] | None = None  # a mid-epoch checkpoint's state, until train uses it
         self._finished_early = False  # the loaded checkpoint was written after an early stop
         self._owns_group = False
@@ -516,9 +543,9 @@ class NNHandler:
         epochs = _positive_int("epochs", epochs)
         validate_every = _positive_int("validate_every", validate_every)
         self._check_ready()
-        if self._resume_pending:
-            self._resume_pending = False
-            self._load_resume_checkpoint()
+        if self._start_pending:
+            self._start_run()
+            self._start_pending = False  # only once it succeeded: a refused directory stays refused
         if self._finished_early:
             log.warning("train(%d): the run stopped early after epoch %d (resumed from its last checkpoint); "
                         "nothing to do", epochs, self.epoch)
@@ -946,10 +973,14 @@ class NNHandler:
         generator = getattr(getattr(self.train_loader, "sampler", None), "generator", None)
         return {
             "format": FORMAT,
+            "run": {"id": self._run_id, "seq": None},  # seq: the write number in checkpoint_dir
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            # Another class's state loads without a word and fails at the first step.
+            "optimizer_class": _class_name(self.optimizer),
+            "scheduler_class": _class_name(self.scheduler),
             "epoch": self.epoch,
             "global_step": self.global_step,
             "history": self.history.state_dict(),
@@ -974,7 +1005,8 @@ class NNHandler:
         """
         self._save(path)
 
-    def _save(self, path, partial: dict[str, Any] | None = None, stopped: bool = False) -> None:
+    def _save(self, path, partial: dict[str, Any] | None = None, stopped: bool = False,
+              seq: int | None = None) -> None:
         mine = (capture_rng_state(), partial)
         everyone = [mine]
         if self.distributed and is_distributed():
@@ -983,6 +1015,7 @@ class NNHandler:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, mine)
         payload = self.state_dict([rng for rng, _ in everyone])
+        payload["run"]["seq"] = seq
         payload["stopped"] = bool(stopped)
         if partial is not None:
             payload["partial"] = {"batches": partial["batches"],
@@ -993,14 +1026,15 @@ class NNHandler:
 
     def _save_run_checkpoint(self, partial: dict[str, Any] | None = None) -> Path:
         """Write the next checkpoint of ``checkpoint_dir`` (mid-epoch with ``partial``) and drop old ones."""
+        self._run_seq += 1
         if partial is None:
             path = self.checkpoint_dir / run_checkpoint_name(self.epoch)
-            self._save(path, stopped=self.stop_training)
+            self._save(path, stopped=self.stop_training, seq=self._run_seq)
         else:
             path = self.checkpoint_dir / run_checkpoint_name(self.epoch + 1, partial["batches"])
-            self._save(path, partial)
+            self._save(path, partial, seq=self._run_seq)
         if self.is_main_process:
-            prune_run_checkpoints(self.checkpoint_dir, self.keep_last)
+            prune_run_checkpoints(self.checkpoint_dir, self.keep_last, run_id=self._run_id)
         return path
 
     def _broadcast_from_main(self, obj: Any) -> Any:
@@ -1010,33 +1044,101 @@ class NNHandler:
         dist.broadcast_object_list(box, src=0, group=side_group().group)
         return box[0]
 
-    def _load_resume_checkpoint(self) -> None:
-        """Load what ``resume`` names, on every rank; ``"auto"``: rank 0's pick of the newest complete one."""
-        payload = None
+    def _start_run(self) -> None:
+        """Before the first epoch: load what ``resume`` names, and claim ``checkpoint_dir`` for this run.
+
+        Rank 0 alone lists the directory and decides (ranks that listed it
+        themselves could see different files while rank 0 is still writing);
+        every rank then loads the file it chose, or raises its refusal.
+        """
+        payload, plan, error = None, None, None
+        if self.is_main_process:
+            try:
+                payload, plan = self._plan_run()
+            except ConfigurationError as exc:
+                plan = {"refused": str(exc)}
+            except Exception as exc:  # reported to every rank below, so none waits or trains on alone
+                error, plan = exc, {"failed": f"{type(exc).__name__}: {exc}"}
+        plan = self._broadcast_from_main(plan)
+        if error is not None:
+            raise error
+        if "refused" in plan:
+            raise ConfigurationError(plan["refused"])
+        if "failed" in plan:
+            raise CheckpointError(f"rank 0 could not read checkpoint_dir {self.checkpoint_dir}: {plan['failed']}")
+        if plan["path"] is not None:
+            self._resume_from(Path(plan["path"]), payload, plan["why"])
+        self._run_seq = max(self._run_seq, plan["seq"])
+        if self.is_main_process and plan["delete"]:
+            for name in plan["delete"]:
+                try:
+                    (self.checkpoint_dir / name).unlink()
+                except FileNotFoundError:
+                    pass
+            log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s",
+                        self.checkpoint_dir, ", ".join(plan["delete"]))
+
+    def _plan_run(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """Rank 0's part of :meth:`_start_run`: ``(payload already loaded or None, plan for every rank)``.
+
+        Raises:
+            ConfigurationError: ``checkpoint_dir`` holds checkpoints of a run
+                other than the one this handler continues, and not ``overwrite``.
+        """
+        directory = self.checkpoint_dir
         if self._resume == "auto":
-            choice = None
-            if self.is_main_process:
-                # Nothing writes into the directory yet, so temporary files
-                # are leftovers of a write that a crash interrupted.
-                remove_stale_temp_files(self.checkpoint_dir)
-                for candidate in reversed(list_run_checkpoints(self.checkpoint_dir)):
-                    try:
-                        payload = _checked_payload(load_payload(candidate), candidate)
-                    except CheckpointError as exc:
-                        log.warning("not resuming from %s: %s", candidate, exc)
-                        continue
-                    choice = candidate.name
-                    break
-            # One choice for all: ranks that listed the directory themselves
-            # could see different files while rank 0 is still writing.
-            choice = self._broadcast_from_main(choice)
-            if choice is None:
-                if self.is_main_process:
-                    log.info("no checkpoint in %s yet: training starts from the beginning", self.checkpoint_dir)
-                return
-            path = self.checkpoint_dir / choice
-        else:
+            # Nothing writes into the directory yet, so temporary files are
+            # leftovers of a write that a crash interrupted.
+            remove_stale_temp_files(directory)
+        found = scan_run_checkpoints(directory) if directory is not None else []
+        payload, path, why, run_id, damaged = None, None, "", self._run_id, set()
+        if self._resume == "auto":
+            # Newest by write number, not by epoch: a run resumed from an
+            # earlier checkpoint writes lower epochs after higher ones.
+            for entry in reversed(found):
+                try:
+                    if entry.error is not None:
+                        raise CheckpointError(entry.error)
+                    payload = _checked_payload(load_payload(entry.path), entry.path)
+                except CheckpointError as exc:
+                    log.warning("not resuming from %s: %s", entry.path, exc)
+                    damaged.add(entry.path)
+                    continue
+                path, run_id = entry.path, entry.run_id
+                why = f", the newest of the {len(found)} checkpoints in {directory} by write order"
+                break
+            else:
+                log.info("no checkpoint in %s yet: training starts from the beginning", directory)
+        elif self._resume is not None:
             path = Path(self._resume)
+            if found:
+                try:
+                    run_id = read_run_info(path)[0]
+                except CheckpointError:
+                    run_id = None  # not loadable: the load reports why, on every rank
+        # Unreadable files belong to no run: neither refused nor deleted (the
+        # next write of that name replaces them).
+        others = [e.path.name for e in found
+                  if e.error is None and e.path not in damaged and run_id is not None and e.run_id != run_id]
+        if others and not self.overwrite:
+            raise ConfigurationError(self._refusal(others, path))
+        return payload, {"path": None if path is None else str(path), "why": why,
+                         "delete": others if self.overwrite else [],
+                         "seq": max((e.seq for e in found if e.seq is not None), default=0)}
+
+    def _refusal(self, others: list[str], resumed: Path | None) -> str:
+        files = ", ".join(others[:6]) + (f", ... ({len(others) - 6} more)" if len(others) > 6 else "")
+        if resumed is None:
+            return (f"checkpoint_dir {self.checkpoint_dir} holds checkpoints of another run ({files}), and this "
+                    f"run would write its own among them: pass resume='auto' to continue that run, overwrite=True "
+                    f"to delete them and start a new run, or use another checkpoint_dir to keep both")
+        remedy = ("move them away or use another checkpoint_dir" if self._resume == "auto" else
+                  "pass overwrite=True to delete them, or use another checkpoint_dir")
+        return (f"checkpoint_dir {self.checkpoint_dir} holds checkpoints of another run than the one resumed from "
+                f"{resumed} ({files}), and this run would write its own among them: {remedy}")
+
+    def _resume_from(self, path: Path, payload: dict[str, Any] | None, why: str = "") -> None:
+        """Load ``path`` on every rank (rank 0 may have loaded it already); every rank raises if one fails."""
         error = None
         try:
             if payload is None:
@@ -1053,7 +1155,7 @@ class NNHandler:
         self._finished_early = bool(payload.get("stopped", False))
         if self.is_main_process:
             partial = self._resume_partial
-            log.info("resumed from %s: %d epochs complete%s", path, self.epoch,
+            log.info("resumed from %s%s: %d epochs complete%s", path, why, self.epoch,
                      f", {partial['batches']} batches into epoch {self.epoch + 1}" if partial else "")
 
     def _write_on_main(self, payload: Any, path, what: str) -> None:
@@ -1095,6 +1197,10 @@ class NNHandler:
         return epoch
 
     def _restore(self, payload: dict[str, Any], path, resume: bool = True) -> int:
+        # Everything that can refuse the file does so before anything changes:
+        # a refused load leaves the handler as it was.
+        if resume:
+            self._check_resumable(payload, path)
         load_weights(self.module, payload["model"], source=str(path))
         if not resume:
             return int(payload["epoch"])
@@ -1106,6 +1212,7 @@ class NNHandler:
             elif part is not None:
                 target.load_state_dict(part)
         self.epoch, self.global_step = int(payload["epoch"]), int(payload["global_step"])
+        self._run_id = run_info(payload)[0]  # continuing that run: its files in checkpoint_dir are ours
         self.history.load_state_dict(payload["history"])
         rngs = payload["rng"]
         if len(rngs) != self.world_size:
@@ -1135,6 +1242,26 @@ class NNHandler:
             self._resume_partial = {"batches": int(partial["batches"]), "rng": rngs[self.rank],
                                     **partial["ranks"][self.rank]}
         return self.epoch
+
+    def _check_resumable(self, payload: dict[str, Any], path) -> None:
+        """Refuse optimizer or scheduler state that this handler's cannot take (torch would fail at the first step)."""
+        for what, target in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            saved, mine = payload.get(f"{what}_class"), _class_name(target)
+            if payload[what] is not None and target is not None and saved is not None and saved != mine:
+                raise CheckpointMismatchError(
+                    f"{path} holds the state of a {saved} {what}; this handler's is {mine}: build the handler with "
+                    f"the same {what} class to resume, or load the weights alone with "
+                    f"load_checkpoint(path, resume=False)"
+                )
+        if payload["optimizer"] is not None and self.optimizer is not None:
+            saved_sizes = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
+            sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+            if saved_sizes != sizes:
+                raise CheckpointMismatchError(
+                    f"{path} holds optimizer state for {len(saved_sizes)} parameter group(s) of {saved_sizes} "
+                    f"parameters; this handler's optimizer has {len(sizes)} of {sizes}: build the optimizer as "
+                    f"the run that wrote it did, or load the weights alone with load_checkpoint(path, resume=False)"
+                )
 
     def _loader_generators(self) -> dict[str, torch.Generator]:
         loader = self.train_loader
@@ -1304,12 +1431,35 @@ def _as_float64(values: list) -> torch.Tensor:
         if values else torch.zeros(0, dtype=torch.float64)
 
 
+def _class_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _checked_payload(payload: Any, path) -> dict[str, Any]:
+    """``payload`` if it is a complete nn_handler checkpoint, else a CheckpointError naming ``path``."""
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(
             f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
         )
+    # What _restore reads, checked here, so that a damaged or hand-made file
+    # is refused by name before anything is loaded (not a KeyError halfway).
+    kinds = {"model": Mapping, "optimizer": (Mapping, type(None)), "scheduler": (Mapping, type(None)),
+             "scaler": (Mapping, type(None)), "epoch": int, "global_step": int, "history": Mapping,
+             "rng": (list, tuple)}
+    problems = [f"no {key!r}" if key not in payload else f"{key!r} is a {type(payload[key]).__name__}"
+                for key, kind in kinds.items() if key not in payload or not isinstance(payload[key], kind)]
+    if not problems and not payload["rng"]:
+        problems.append("'rng' is empty")
+    optimizer = payload.get("optimizer")
+    if not problems and optimizer is not None and not (
+            isinstance(optimizer.get("state"), Mapping) and isinstance(optimizer.get("param_groups"), (list, tuple))
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                    for g in optimizer["param_groups"])):
+        problems.append("'optimizer' is not an optimizer state_dict")
+    if problems:
+        raise CheckpointError(f"{path} is not a complete nn_handler checkpoint ({', '.join(problems)}); "
+                              f"was it changed after NNHandler.save_checkpoint wrote it?")
     return payload
 
 

@@ -193,3 +193,123 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     for key in ("train_loss", "val_loss", "lr", "global_step", "wait", "best"):
         assert second[key] == straight[key], key
     assert second["train_loss"][:2] == first["train_loss"]
+
+
+# ---------------------------------------------------------------- refused loads leave the handler as it was
+
+
+def _state(handler):
+    """What a refused load must not change: weights, optimizer and scheduler state, counters, History."""
+    opt = handler.optimizer.state_dict()
+    return {"weights": weights(handler.module),
+            "optimizer": {"groups": opt["param_groups"],
+                          "state": {k: {n: v.tolist() if torch.is_tensor(v) else v for n, v in s.items()}
+                                    for k, s in opt["state"].items()}},
+            "scheduler": handler.scheduler.state_dict() if handler.scheduler is not None else None,
+            "epoch": handler.epoch, "global_step": handler.global_step, "history": handler.history.state_dict()}
+
+
+def _write_bad_file(kind, path, good):
+    if kind == "text log":
+        path.write_text("epoch 1/10: train_loss=0.532 val_loss=0.611\nepoch 2/10: train_loss=0.421\n")
+    elif kind == "csv":
+        path.write_text("epoch,train_loss,val_loss\n1,0.532,0.611\n2,0.421,0.508\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "random bytes":
+        path.write_bytes(b"\x13" + os.urandom(4095))
+    elif kind == "truncated checkpoint":
+        data = good.read_bytes()
+        path.write_bytes(data[: len(data) * 2 // 3])
+    elif kind == "a plain tensor":
+        torch.save(torch.ones(3), path)
+    elif kind == "another program's dict":
+        torch.save({"state_dict": make_model().state_dict(), "epoch": 3}, path)
+    elif kind == "a zip that is not torch's":
+        import zipfile
+
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("notes.txt", "hello")
+    elif kind == "an incomplete nn_handler checkpoint":
+        payload = load_payload(good)
+        del payload["optimizer"], payload["history"]
+        torch.save(payload, path)
+    else:
+        raise AssertionError(kind)
+
+
+BAD_FILES = ["text log", "csv", "empty", "random bytes", "truncated checkpoint", "a plain tensor",
+             "another program's dict", "a zip that is not torch's", "an incomplete nn_handler checkpoint"]
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_a_file_that_is_not_a_complete_checkpoint_is_refused_by_name(tmp_path, kind):
+    good = tmp_path / "good.ckpt"
+    _trained(epochs=1).save_checkpoint(good)
+    path = tmp_path / "run.ckpt"
+    _write_bad_file(kind, path, good)
+    handler = _trained(epochs=2)
+    before = _state(handler)
+    with pytest.raises(CheckpointError) as info:
+        handler.load_checkpoint(path)
+    assert str(path) in str(info.value)
+    assert type(info.value) in (CheckpointError,)  # not a raw KeyError/IndexError dressed up, not a mismatch
+    assert _state(handler) == before
+    handler.train(3, progress=False)  # and it trains on
+    assert handler.epoch == 3
+
+
+def test_a_text_file_says_it_holds_text(tmp_path):
+    path = tmp_path / "run.ckpt"
+    path.write_text("epoch,train_loss\n1,0.5\n")
+    with pytest.raises(CheckpointError,
+                       match=r"run\.ckpt is not a torch\.save file: it holds text \('epoch,train_loss"):
+        make_handler().load_checkpoint(path)
+
+
+def test_an_optimizer_of_another_class_is_refused_naming_both(tmp_path):
+    _trained(epochs=1).save_checkpoint(tmp_path / "sgd.ckpt")  # SGD with momentum
+    X, y = make_data(32)
+    adam = NNHandler(make_model(seed=4), torch.optim.Adam, nn.MSELoss(), optimizer_kwargs={"lr": 0.01},
+                     scheduler=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 2}, device="cpu")
+    adam.set_train_loader((X, y), batch_size=8)
+    adam.train(1, progress=False)
+    before = _state(adam)
+    with pytest.raises(CheckpointMismatchError, match=r"sgd\.ckpt holds the state of a torch\.optim\.sgd\.SGD "
+                                                      r"optimizer; this handler's is torch\.optim\.adam\.Adam"):
+        adam.load_checkpoint(tmp_path / "sgd.ckpt")
+    assert _state(adam) == before
+    adam.train(2, progress=False)  # the next step works (it died with KeyError: 'betas')
+    assert adam.epoch == 2
+    adam.load_checkpoint(tmp_path / "sgd.ckpt", resume=False)  # the weights alone still load
+    assert adam.epoch == 2
+
+
+def test_a_scheduler_of_another_class_is_refused_naming_both(tmp_path):
+    _trained(epochs=1).save_checkpoint(tmp_path / "a.ckpt")  # StepLR
+    other = make_handler(make_model(seed=4), scheduler=torch.optim.lr_scheduler.ExponentialLR,
+                         scheduler_kwargs={"gamma": 0.9})
+    X, y = make_data(32)
+    other.set_train_loader((X, y), batch_size=8)
+    other.train(1, progress=False)
+    before = _state(other)
+    with pytest.raises(CheckpointMismatchError, match=r"a\.ckpt holds the state of a torch\.optim\.lr_scheduler\."
+                                                      r"StepLR scheduler; this handler's is torch\.optim\."
+                                                      r"lr_scheduler\.ExponentialLR"):
+        other.load_checkpoint(tmp_path / "a.ckpt")
+    assert _state(other) == before
+
+
+def test_optimizer_groups_that_do_not_fit_are_refused_before_anything_changes(tmp_path):
+    # Same class, another layout (one group per layer): torch would refuse only after the weights were loaded.
+    _trained(epochs=1).save_checkpoint(tmp_path / "a.ckpt")
+    model = make_model(seed=4)
+    groups = NNHandler(model, torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+                                              lr=0.1, momentum=0.9), nn.MSELoss(), device="cpu")
+    X, y = make_data(32)
+    groups.set_train_loader((X, y), batch_size=8)
+    groups.train(1, progress=False)
+    before = _state(groups)
+    with pytest.raises(CheckpointMismatchError, match=r"a\.ckpt holds optimizer state for 1 parameter group"):
+        groups.load_checkpoint(tmp_path / "a.ckpt")
+    assert _state(groups) == before

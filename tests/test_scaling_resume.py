@@ -7,14 +7,17 @@ failure is cheap to read.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
 from nn_handler import PREEMPTED_EXIT_CODE, Callback, NNHandler, TrainingPreempted
-from nn_handler.checkpoint import list_run_checkpoints, load_payload, run_checkpoint_key
+from nn_handler.checkpoint import (FORMAT, atomic_save, list_run_checkpoints, load_payload, prune_run_checkpoints,
+                                   run_checkpoint_key)
 from nn_handler.errors import CheckpointError, ConfigurationError
 from nn_handler.testing import run_distributed
 from scripts.scale_case import EPOCHS, AtStep, build, sigterm_to, summary
@@ -54,6 +57,8 @@ def test_auto_resume_after_a_crash_mid_epoch_equals_an_uninterrupted_run(tmp_pat
     second = build(tmp_path, resume="auto")
     second.train(EPOCHS, progress=False)
     assert summary(second) == straight
+    # The rerun continued the same run: it pruned the first process's checkpoints as its own.
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
 
 
 def test_sigterm_mid_epoch_writes_that_point_and_the_rerun_finishes_identically(tmp_path, straight):
@@ -148,6 +153,114 @@ def test_no_checkpoint_yet_starts_from_the_beginning(tmp_path, straight):
     assert summary(handler) == straight
 
 
+# ---------------------------------------------------------------- a run owns what it writes
+
+
+def _files(directory):
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir())}
+
+
+class _Steps(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_batch_end(self, handler, i, loss):
+        if (i + 1) % 2 == 0:  # 2 micro-batches per step
+            self.steps.append(handler.global_step)
+
+
+def test_a_new_run_in_a_directory_of_another_run_is_refused_and_loses_nothing(tmp_path):
+    old = build(tmp_path)
+    old.train(EPOCHS, progress=False)
+    before = _files(tmp_path)
+    assert sorted(before) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
+    new = build(tmp_path)  # the same directory, resume=None: a new run
+    for _ in range(2):  # a refused run stays refused
+        with pytest.raises(ConfigurationError, match=r"checkpoint_dir .* holds checkpoints of another run "
+                                                     r"\(epoch-0003\.ckpt, epoch-0004\.ckpt\).*resume='auto'.*"
+                                                     r"overwrite=True.*another checkpoint_dir"):
+            new.train(2, progress=False)
+    assert (new.epoch, new.global_step) == (0, 0)
+    assert _files(tmp_path) == before
+
+
+def test_overwrite_starts_a_new_run_whose_checkpoints_stay_and_resume(tmp_path, straight, caplog):
+    # The reported case: an earlier, longer run left epoch-0005/0006; the new run's checkpoints, its
+    # preemption checkpoint too, were pruned by epoch number, and resume="auto" restored the old run.
+    old = build(tmp_path)
+    old.train(6, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0005.ckpt", "epoch-0006.ckpt"]
+    with pytest.raises(TrainingPreempted) as info:
+        build(tmp_path, overwrite=True, callbacks=[AtStep(8, sigterm_to(os.getpid))]).train(EPOCHS, progress=False)
+    assert os.path.isfile(info.value.checkpoint)  # reported as written, and there
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0001.ckpt", "epoch-0002-batch-000004.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0001.ckpt", "epoch-0002-batch-000004.ckpt"]  # the old run's: gone
+    caplog.set_level(logging.INFO, logger="nn_handler.handler")
+    second = build(tmp_path, resume="auto")
+    second.train(EPOCHS, progress=False)
+    assert f"resumed from {info.value.checkpoint}" in caplog.text
+    assert summary(second) == straight
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
+
+
+def test_auto_resume_takes_the_newest_checkpoint_by_write_order_not_by_epoch(tmp_path, straight, caplog):
+    build(tmp_path).train(EPOCHS, progress=False)  # epoch-0003, epoch-0004
+    # Back to epoch 3 on purpose, then preempted 2 steps (4 batches) into epoch 4: epoch-0004.ckpt, of the
+    # attempt that was abandoned, has the higher epoch number; the preemption checkpoint was written later.
+    with pytest.raises(TrainingPreempted) as info:
+        build(tmp_path, resume=tmp_path / "epoch-0003.ckpt",
+              callbacks=[AtStep(20, sigterm_to(os.getpid))]).train(EPOCHS, progress=False)
+    assert os.path.basename(info.value.checkpoint) == "epoch-0004-batch-000004.ckpt"
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0004.ckpt", "epoch-0004-batch-000004.ckpt"]
+    caplog.set_level(logging.INFO, logger="nn_handler.handler")
+    steps = _Steps()
+    rerun = build(tmp_path, resume="auto", callbacks=[steps])
+    rerun.train(EPOCHS, progress=False)
+    assert f"resumed from {info.value.checkpoint}" in caplog.text
+    assert steps.steps == [21, 22, 23, 24]  # the rest of the preempted epoch, not "nothing to do"
+    assert summary(rerun) == straight
+
+
+def test_pruning_deletes_only_this_runs_checkpoints_in_write_order(tmp_path):
+    def write(name, run, seq):
+        atomic_save({"format": FORMAT, "run": {"id": run, "seq": seq}, "model": {}}, tmp_path / name)
+
+    write("epoch-0008.ckpt", "old", 1)
+    write("epoch-0009.ckpt", "old", 2)
+    write("epoch-0001.ckpt", "new", 3)
+    write("epoch-0002-batch-000004.ckpt", "new", 4)
+    write("epoch-0002.ckpt", "new", 5)
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == [
+        "epoch-0008.ckpt", "epoch-0009.ckpt", "epoch-0001.ckpt", "epoch-0002-batch-000004.ckpt", "epoch-0002.ckpt"]
+    removed = prune_run_checkpoints(tmp_path, 2, run_id="new")
+    assert [p.name for p in removed] == ["epoch-0001.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0002-batch-000004.ckpt", "epoch-0002.ckpt",
+                                            "epoch-0008.ckpt", "epoch-0009.ckpt"]
+
+
+def test_checkpoints_written_before_runs_were_recorded_still_resume_and_are_pruned(tmp_path, straight):
+    build(tmp_path).train(2, progress=False)
+    for path in list_run_checkpoints(tmp_path):  # as an older nn_handler wrote them: no run id, no write number
+        payload = load_payload(path)
+        del payload["run"]
+        atomic_save(payload, path)
+    with pytest.raises(ConfigurationError, match="holds checkpoints of another run"):
+        build(tmp_path).train(EPOCHS, progress=False)  # a new run: refused all the same
+    rerun = build(tmp_path, resume="auto")
+    rerun.train(EPOCHS, progress=False)
+    assert summary(rerun) == straight
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]  # the older files were its own
+
+
+def test_overwrite_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigurationError, match="overwrite=True applies to checkpoint_dir"):
+        NNHandler(torch.nn.Linear(2, 1), overwrite=True)
+    with pytest.raises(ConfigurationError, match="overwrite=True starts a new run.*resume='auto' continues"):
+        NNHandler(torch.nn.Linear(2, 1), checkpoint_dir=tmp_path, resume="auto", overwrite=True)
+    with pytest.raises(ConfigurationError, match="overwrite must be True or False, got 'yes'"):
+        NNHandler(torch.nn.Linear(2, 1), checkpoint_dir=tmp_path, overwrite="yes")
+
+
 # ---------------------------------------------------------------- 2 spawned gloo ranks
 
 
@@ -193,6 +306,32 @@ def test_two_ranks_stop_together_when_one_gets_sigterm_and_resume_exactly(tmp_pa
     assert second == straight
     assert straight[0]["after_close"].startswith("this handler was closed")
     assert second[0]["train_loss"] == second[1]["train_loss"]
+
+
+def _used_dir_body(rank, ckpt, overwrite):
+    from nn_handler import ConfigurationError
+    from scripts.scale_case import build, summary
+
+    with build(ckpt, **({"overwrite": True} if overwrite else {})) as handler:
+        try:
+            handler.train(2, progress=False)
+        except ConfigurationError as exc:
+            return {"refused": str(exc), "epoch": handler.epoch}
+    return summary(handler)
+
+
+def test_two_ranks_refuse_a_directory_of_another_run_together_or_take_it_over(tmp_path):
+    build(tmp_path).train(3, progress=False)
+    before = _files(tmp_path)
+    refused = _ok(run_distributed(_used_dir_body, 2, args=(str(tmp_path), False), timeout=TIMEOUT))
+    for r in refused:  # every rank, not only rank 0 that looked: none trains on alone
+        assert "holds checkpoints of another run" in r.get("refused", ""), r
+        assert r["epoch"] == 0
+    assert _files(tmp_path) == before
+    taken = _ok(run_distributed(_used_dir_body, 2, args=(str(tmp_path), True), timeout=TIMEOUT))
+    assert [(r["rank"], r["epoch"]) for r in taken] == [(0, 2), (1, 2)]
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0001.ckpt", "epoch-0002.ckpt"]
+    assert load_payload(tmp_path / "epoch-0002.ckpt")["world_size"] == 2
 
 
 # ---------------------------------------------------------------- the pieces, without training

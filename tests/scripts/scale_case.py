@@ -25,8 +25,10 @@ EPOCHS = 4
 HISTORY_KEYS = ("train_loss", "train_mae", "val_loss", "val_mae", "lr")
 
 
-def build(checkpoint_dir=None, resume=None, callbacks=(), check_every=None) -> NNHandler:
+def build(checkpoint_dir=None, resume=None, callbacks=(), check_every=None, **kwargs) -> NNHandler:
     """The handler, with data: 90 samples in batches of 8, 2 micro-batches per step.
+
+    ``kwargs`` go to ``NNHandler`` (``overwrite``, ``keep_last``).
 
     One process: 12 batches (6 steps) an epoch; two ranks: 6 batches (3 steps) each.
     """
@@ -37,7 +39,7 @@ def build(checkpoint_dir=None, resume=None, callbacks=(), check_every=None) -> N
         scheduler=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1, "gamma": 0.7},
         metrics={"mae": mae}, callbacks=[EarlyStopping("val_loss", patience=10), *callbacks],
         grad_accum_steps=2, seed=7, device="cpu", checkpoint_dir=checkpoint_dir, resume=resume,
-        preemption_check_every=check_every,
+        preemption_check_every=check_every, **kwargs,
     )
     handler.set_train_loader((X, y), batch_size=8)
     handler.set_val_loader((Xv, yv), batch_size=8)
