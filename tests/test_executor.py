@@ -544,6 +544,32 @@ def test_large_argument_to_a_frozen_worker_respects_the_timeout():
     assert _shm_files() == []
 
 
+def _freeze_while_replying(device):
+    # Stops this worker in the middle of writing its (large, non-tensor) reply.
+    main = threading.main_thread().ident
+
+    def freeze():
+        while sys._current_frames()[main].f_code.co_name != "_send":
+            pass
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=freeze, daemon=True).start()
+    return b"y" * (128 << 20)
+
+
+@pytest.mark.timeout(90)
+def test_worker_frozen_in_the_middle_of_a_large_reply_respects_the_timeout():
+    with ParallelExecutor(device_ids=["cpu"], timeout=3) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        begin = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"_freeze_while_replying died on rank 0 .*3s timeout.*replaced"):
+            ex.run(_freeze_while_replying)
+        assert time.monotonic() - begin < 3 + 10
+        assert not _pids_alive(pids)
+        assert ex.run(_size, b"abc") == [3]
+    assert _shm_files() == []
+
+
 def _die_or_linger(victim, marker, device):
     if os.getpid() == victim:
         os.kill(os.getpid(), signal.SIGKILL)
