@@ -5,12 +5,13 @@ Data flow::
     caller thread                                   worker i (one per device)
     -------------                                   ------------------------
     run/map ──> Encoder.dumps(fn), dumps(args)
-            ──> conn_i.send_bytes((call, kind, fn, payload)) ──> recv, loads, fn(..., device=dev_i)
+            ──> write (call, kind, fn, payload) to conn_i ──> recv, ack ("got"), loads, fn(..., device=dev_i)
                                                                  Encoder.dumps(result) ──┐
     wait([conn_0..n, sentinel_0..n]) <───────────────────────── send_bytes((ok|err, call, body))
       ├─ a reply: store it; map: hand this worker the next chunk
-      ├─ a sentinel: the worker died ──> WorkerDiedError now; it is restarted on next use
-      └─ the deadline: kill the stuck workers ──> TimeoutError; restarted on next use
+      ├─ a sentinel before the ack of a task it never read: a fresh worker takes the task
+      ├─ a sentinel: the worker died ──> kill the call's other busy workers, WorkerDiedError now
+      └─ the deadline: kill the busy workers ──> TimeoutError (all are restarted on next use)
 
 One duplex pipe per worker (no queue shared by all): a dead worker can only
 break its own pipe, and dynamic load balancing is "send the next chunk to
@@ -339,7 +340,7 @@ class WorkerPool:
                         break
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        raise self._timeout(running, timeout, name)
+                        raise self._timeout(running, acked, timeout, name)
                     by_handle = {}
                     for index in running:
                         busy = self._slots[index]
@@ -480,14 +481,15 @@ class WorkerPool:
         return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
                            message=f"the result could not be unpickled in the caller: {describe(exc)}")
 
-    def _timeout(self, running: dict, timeout: float, name: str) -> ExecutorTimeoutError:
+    def _timeout(self, running: dict, acked: set, timeout: float, name: str) -> ExecutorTimeoutError:
         failures = []
         for index in sorted(running):
             slot = self._slots[index]
             pid = slot.process.pid
             self._kill(slot)  # stuck: replace it rather than wait on it
+            what = "still running after" if index in acked else "had not taken the call's arguments within"
             failures.append(RankFailure(rank=index, device=slot.device, pid=pid,
-                                        message=f"still running after the {timeout:g}s timeout; worker replaced"))
+                                        message=f"{what} the {timeout:g}s timeout; worker replaced"))
         running.clear()
         return ExecutorTimeoutError(failures, function=name)
 
