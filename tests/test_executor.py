@@ -237,12 +237,28 @@ def _raise_value_error(device):
     raise ValueError("bad value in worker")
 
 
+class _ExitsTheCallerOnLoad:
+    def __init__(self, caller):
+        self.caller = caller
+
+    def __reduce__(self):
+        return (_exit_if_caller, (self.caller,))
+
+
+def _exit_if_caller(caller):
+    if os.getpid() == caller:
+        raise SystemExit("unpickled in the caller")
+    return _ExitsTheCallerOnLoad(caller)
+
+
 FAILURES = [
     ("raise", _raise_value_error, (), ParallelExecutionError, "ValueError: bad value in worker"),
     ("custom-init-exception", lambda device: (_ for _ in ()).throw(_CustomInitError(7, "x")), (),
      ParallelExecutionError, "_CustomInitError: code 7: x"),
     ("error-at-unpickle", lambda obj, device: obj, (_BadOnLoad(),), ParallelExecutionError, "cannot rebuild me here"),
     ("unpicklable-result", lambda device: threading.Lock(), (), ParallelExecutionError, "could not be pickled"),
+    ("result-exits-at-unpickle", lambda caller, device: _ExitsTheCallerOnLoad(caller), (os.getpid(),), ParallelExecutionError,
+     "could not be unpickled in the caller: unpickled in the caller"),
     ("os-exit", lambda device: os._exit(3), (), WorkerDiedError, "exit code 3"),
     ("sigkill", lambda device: os.kill(os.getpid(), signal.SIGKILL), (), WorkerDiedError, "SIGKILL"),
 ]

@@ -378,7 +378,7 @@ class WorkerPool:
                             try:
                                 results[key] = _transport.loads(body)
                                 continue
-                            except Exception as exc:
+                            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the caller
                                 failures.append(self._unpickle_failure(slot, exc))
                         else:
                             self._record_error(slot, body, failures, exceptions)
@@ -473,11 +473,11 @@ class WorkerPool:
         if blob is not None:
             try:
                 exceptions[slot.index] = _transport.loads(blob)
-            except Exception:
+            except (Exception, SystemExit):
                 pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
 
     @staticmethod
-    def _unpickle_failure(slot: _Slot, exc: Exception) -> RankFailure:
+    def _unpickle_failure(slot: _Slot, exc: BaseException) -> RankFailure:
         return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
                            message=f"the result could not be unpickled in the caller: {describe(exc)}")
 
