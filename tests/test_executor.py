@@ -591,6 +591,32 @@ def test_worker_frozen_in_the_middle_of_a_large_reply_respects_the_timeout():
     assert _shm_files() == []
 
 
+def _fork_then_die(pid_file, device):
+    child = os.fork()
+    if child == 0:  # holds a copy of the worker's end of the pipe: no EOF when the worker dies
+        time.sleep(60)
+        os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(child))
+    os._exit(3)
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_dies_leaving_a_forked_child_is_reported_at_once(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:
+        try:
+            begin = time.monotonic()
+            with pytest.raises(WorkerDiedError, match=r"_fork_then_die died on rank 0 .*exit code 3"):
+                ex.run(_fork_then_die, str(pid_file))
+            assert time.monotonic() - begin < 15  # seen on the sentinel, not by waiting for the pipe's EOF
+            assert ex.run(_size, b"ab") == [2]
+        finally:
+            if pid_file.exists():
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert _shm_files() == []
+
+
 def _die_or_linger(victim, marker, device):
     if os.getpid() == victim:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -80,14 +80,21 @@ class _Slot:
 _LATE = object()  # _receive: the deadline passed in the middle of a reply
 
 
-def _read(fd: int, n: int, poller, deadline: float | None):
-    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` at end of file, ``_LATE`` past ``deadline``."""
+def _read(fd: int, n: int, poller, deadline: float | None, process):
+    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``_LATE`` past ``deadline``.
+
+    ``poller`` watches ``fd`` and the worker's sentinel.
+    """
     data = bytearray(n)
     view, got = memoryview(data), 0
     while got < n:
         try:
             chunk = os.readv(fd, [view[got:]])
         except BlockingIOError:
+            if not process.is_alive():
+                # Dead, and nothing more to read; no EOF to wait for when a
+                # process it forked still holds its end of the pipe.
+                return None
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return _LATE
@@ -260,14 +267,16 @@ class WorkerPool:
         fd = slot.conn.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        poller.register(slot.process.sentinel, select.POLLIN)
         os.set_blocking(fd, False)
         try:
-            header = _read(fd, 4, poller, deadline)
+            header = _read(fd, 4, poller, deadline, slot.process)
             if header == b"\xff\xff\xff\xff":  # Connection's framing of a message over 2 GiB
-                header = _read(fd, 8, poller, deadline)
+                header = _read(fd, 8, poller, deadline, slot.process)
             if not isinstance(header, bytearray):
                 return header
-            body = _read(fd, struct.unpack("!Q" if len(header) == 8 else "!i", header)[0], poller, deadline)
+            size = struct.unpack("!Q" if len(header) == 8 else "!i", header)[0]
+            body = _read(fd, size, poller, deadline, slot.process)
             return pickle.loads(body) if isinstance(body, bytearray) else body
         except OSError:
             return None
@@ -458,7 +467,7 @@ class WorkerPool:
                         return not read_some  # died; the wait loop reports it
                     waited = True
         finally:
-            os.set_blocking(fd, True)  # replies are read with the blocking Connection.recv_bytes
+            os.set_blocking(fd, True)  # shutdown's stop message uses the blocking Connection methods
         return not read_some
 
     def _stop(self, running: dict) -> None:
