@@ -455,6 +455,9 @@ def test_worker_that_dies_after_the_liveness_check_gets_a_replacement(how):
         assert runs[0] not in pids and runs[1] == pids[1]
         _wait_dead(pids[0])
         assert ex.run(lambda device: os.getpid()) == runs
+        _patch_start(ex, lambda pids: os.kill(pids[1], signal.SIGKILL))  # map: every item still comes back once
+        assert ex.map(lambda x, device: x * 10, range(6)) == [0, 10, 20, 30, 40, 50]
+        _wait_dead(runs[1])
     assert _shm_files() == []
 
 
