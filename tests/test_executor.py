@@ -237,12 +237,28 @@ def _raise_value_error(device):
     raise ValueError("bad value in worker")
 
 
+class _ExitsTheCallerOnLoad:
+    def __init__(self, caller):
+        self.caller = caller
+
+    def __reduce__(self):
+        return (_exit_if_caller, (self.caller,))
+
+
+def _exit_if_caller(caller):
+    if os.getpid() == caller:
+        raise SystemExit("unpickled in the caller")
+    return _ExitsTheCallerOnLoad(caller)
+
+
 FAILURES = [
     ("raise", _raise_value_error, (), ParallelExecutionError, "ValueError: bad value in worker"),
     ("custom-init-exception", lambda device: (_ for _ in ()).throw(_CustomInitError(7, "x")), (),
      ParallelExecutionError, "_CustomInitError: code 7: x"),
     ("error-at-unpickle", lambda obj, device: obj, (_BadOnLoad(),), ParallelExecutionError, "cannot rebuild me here"),
     ("unpicklable-result", lambda device: threading.Lock(), (), ParallelExecutionError, "could not be pickled"),
+    ("result-exits-at-unpickle", lambda caller, device: _ExitsTheCallerOnLoad(caller), (os.getpid(),), ParallelExecutionError,
+     "could not be unpickled in the caller: unpickled in the caller"),
     ("os-exit", lambda device: os._exit(3), (), WorkerDiedError, "exit code 3"),
     ("sigkill", lambda device: os.kill(os.getpid(), signal.SIGKILL), (), WorkerDiedError, "SIGKILL"),
 ]
@@ -284,8 +300,9 @@ def test_death_is_reported_while_other_workers_still_run_and_worker_restarts():
         with pytest.raises(WorkerDiedError, match=r"rank 0 .*SIGKILL"):
             ex.run(one_dies, pids[0])
         new_pids = ex.run(lambda device: os.getpid())
-        assert new_pids[0] != pids[0] and new_pids[1] == pids[1]  # only the dead one restarted
-        assert not _pids_alive([pids[0]])
+        # the dead one restarted; the survivor's share of the failed call was stopped with it
+        assert new_pids[0] != pids[0] and new_pids[1] != pids[1]
+        assert not _pids_alive(pids)
 
 
 def test_map_worker_killed_mid_call():
@@ -351,6 +368,306 @@ def test_using_a_shut_down_executor_is_a_clear_error():
     ex.shutdown()  # twice is harmless
     with pytest.raises(RuntimeError, match="shut down"):
         ex.run(lambda device: 1)
+
+
+# ----------------------------------------------------------------------------- calls that fail in awkward ways
+# Each case: a fresh pool, a hard deadline, then the next call must work and
+# nothing may be left behind (processes: the autouse fixture; /dev/shm: here).
+def _wait_dead(pid, within=10.0):
+    deadline = time.monotonic() + within
+    while _pids_alive([pid]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _pids_alive([pid]), f"pid {pid} still alive"
+
+
+def _exit_from_a_thread_once_idle(device):
+    # Ends the worker from a thread once the worker's main loop waits for the
+    # next call: it dies between calls, however fast the next call comes.
+    main = threading.main_thread().ident
+
+    def exit_when_idle():
+        while sys._current_frames()[main].f_code.co_name not in ("_recv", "_recv_bytes", "recv_bytes"):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=exit_when_idle, daemon=True).start()
+    return os.getpid()
+
+
+def _sys_exit(device):
+    sys.exit("bye")  # the worker reports it, then ends as asked
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["sys-exit", "os-exit-from-thread"])
+def test_worker_that_ends_after_replying_is_replaced_before_the_next_call(how):
+    ended = []
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        for _ in range(3):
+            if how == "sys-exit":
+                with pytest.raises(ParallelExecutionError, match="SystemExit: bye"):
+                    ex.run(_sys_exit)
+                ended += pids
+            else:
+                ended += ex.run(_exit_from_a_thread_once_idle)
+            pids = ex.run(lambda device: os.getpid())  # at once: no sleep to let the old ones go
+            assert len(pids) == 2
+            if how == "sys-exit":  # reported as ending: replaced before the next call, every time
+                assert not set(pids) & set(ended) and not _pids_alive(ended)
+        for pid in ended:
+            _wait_dead(pid)
+        assert len(ex.run(lambda device: os.getpid())) == 2
+    assert _shm_files() == []
+
+
+def _patch_start(ex, after):
+    """Run ``after(pids)`` once, right after the call's liveness check in start()."""
+    pool, original, done = ex._pool, ex._pool.start, []
+
+    def start(*a, **kw):
+        original(*a, **kw)
+        if not done:
+            done.append(True)
+            after([s.process.pid for s in pool._slots])
+
+    pool.start = start
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["dead-before-the-write", "dies-with-the-task-unread"])
+def test_worker_that_dies_after_the_liveness_check_gets_a_replacement(how):
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        pids = ex.run(lambda device: os.getpid())
+
+        def kill_first(pids):
+            if how == "dead-before-the-write":
+                os.kill(pids[0], signal.SIGKILL)
+                while _pids_alive([pids[0]]):
+                    time.sleep(0.01)  # a zombie now: its pipe is closed, nobody has reaped it yet
+            else:
+                # Frozen now, killed once the call's message sits unread in its pipe.
+                os.kill(pids[0], signal.SIGSTOP)
+                threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL)).start()
+
+        _patch_start(ex, kill_first)
+        runs = ex.run(lambda device: os.getpid())  # each worker ran it once, the dead one's share on its replacement
+        assert runs[0] not in pids and runs[1] == pids[1]
+        _wait_dead(pids[0])
+        assert ex.run(lambda device: os.getpid()) == runs
+        _patch_start(ex, lambda pids: os.kill(pids[1], signal.SIGKILL))  # map: every item still comes back once
+        assert ex.map(lambda x, device: x * 10, range(6)) == [0, 10, 20, 30, 40, 50]
+        _wait_dead(runs[1])
+    assert _shm_files() == []
+
+
+_WORKER_ONLY_MODULE = """
+class WorkerOnlyError(Exception):
+    pass
+
+def fail(device):
+    raise WorkerOnlyError("raised by a class this caller cannot import")
+"""
+
+
+def _add_to_path(path, device):
+    sys.path.insert(0, path)
+
+
+def _fail_with_worker_only_class(device):
+    import nnh_worker_only
+
+    return nnh_worker_only.fail(device)
+
+
+class _UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("str() of this error fails")
+
+
+def _raise_unprintable(device):
+    raise _UnprintableError("hidden")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["class-only-in-the-worker", "str-raises"])
+def test_exception_the_caller_cannot_rebuild_or_render_keeps_the_worker(tmp_path, how):
+    (tmp_path / "nnh_worker_only.py").write_text(_WORKER_ONLY_MODULE)
+    fn = _fail_with_worker_only_class if how == "class-only-in-the-worker" else _raise_unprintable
+    with ParallelExecutor(device_ids=CPU2, initializer=_add_to_path, initargs=(str(tmp_path),)) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        with pytest.raises(ParallelExecutionError) as info:
+            ex.run(fn)
+        err = info.value
+        assert type(err) is ParallelExecutionError
+        text = str(err)
+        if how == "class-only-in-the-worker":
+            assert "WorkerOnlyError: raised by a class this caller cannot import" in text
+            assert err.exceptions == {}  # it cannot be rebuilt here; the record stands in for it
+        else:
+            assert "_UnprintableError: <str() failed: RuntimeError: str() of this error fails>" in text
+        assert "--- remote traceback of rank 0 ---" in text and f"in {fn.__name__}" in text
+        assert [f.pid for f in err.failures] == pids
+        assert ex.run(lambda device: os.getpid()) == pids  # the same workers serve the next call
+    assert _shm_files() == []
+
+
+def _size(data, device):
+    return len(data)
+
+
+def _throttle_then_kill(pid, stop):
+    """Let a frozen worker read a little of its message now and then; kill it once it has read some."""
+    def rchar():
+        with open(f"/proc/{pid}/io") as f:
+            return int(f.readline().split()[1])
+
+    start = rchar()
+    while not stop.is_set() and rchar() < start + (4 << 20):
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_while_it_receives_a_large_argument():
+    big = b"x" * (64 << 20)  # bytes travel through the pipe (tensors would go through /dev/shm)
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        os.kill(pids[0], signal.SIGSTOP)
+        stop = threading.Event()
+        killer = threading.Thread(target=_throttle_then_kill, args=(pids[0], stop))
+        killer.start()
+        try:
+            with pytest.raises(WorkerDiedError, match=r"_size died on rank 0 \(cpu, pid \d+\): worker died during the "
+                                                      r"transfer of the call's arguments \(killed by signal SIGKILL"):
+                ex.run(_size, big)
+        finally:
+            stop.set()
+            killer.join()
+        assert not _pids_alive([pids[0]])
+        new = ex.run(lambda device: os.getpid())
+        assert new[0] != pids[0]
+    assert _shm_files() == []
+
+
+@pytest.mark.timeout(90)
+def test_large_argument_to_a_frozen_worker_respects_the_timeout():
+    big = b"x" * (64 << 20)
+    with ParallelExecutor(device_ids=CPU2, timeout=3) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        os.kill(pids[0], signal.SIGSTOP)
+        begin = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"_size died on rank 0 .*had not taken the call's arguments within the 3s timeout; worker replaced"):
+            ex.run(_size, big)
+        assert time.monotonic() - begin < 3 + 10
+        assert not _pids_alive([pids[0]])
+        assert ex.run(_size, b"abc") == [3, 3]
+    assert _shm_files() == []
+
+
+def _freeze_while_replying(device):
+    # Stops this worker in the middle of writing its (large, non-tensor) reply.
+    main = threading.main_thread().ident
+
+    def freeze():
+        while sys._current_frames()[main].f_code.co_name != "_send":
+            pass
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=freeze, daemon=True).start()
+    return b"y" * (128 << 20)
+
+
+@pytest.mark.timeout(90)
+def test_worker_frozen_in_the_middle_of_a_large_reply_respects_the_timeout():
+    with ParallelExecutor(device_ids=["cpu"], timeout=3) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        begin = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"_freeze_while_replying died on rank 0 .*3s timeout.*replaced"):
+            ex.run(_freeze_while_replying)
+        assert time.monotonic() - begin < 3 + 10
+        assert not _pids_alive(pids)
+        assert ex.run(_size, b"abc") == [3]
+    assert _shm_files() == []
+
+
+def _fork_then_die(pid_file, device):
+    child = os.fork()
+    if child == 0:  # holds a copy of the worker's end of the pipe: no EOF when the worker dies
+        time.sleep(60)
+        os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(child))
+    os._exit(3)
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_dies_leaving_a_forked_child_is_reported_at_once(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:
+        try:
+            begin = time.monotonic()
+            with pytest.raises(WorkerDiedError, match=r"_fork_then_die died on rank 0 .*exit code 3"):
+                ex.run(_fork_then_die, str(pid_file))
+            assert time.monotonic() - begin < 15  # seen on the sentinel, not by waiting for the pipe's EOF
+            assert ex.run(_size, b"ab") == [2]
+        finally:
+            if pid_file.exists():
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert _shm_files() == []
+
+
+def _die_or_linger(victim, marker, device):
+    if os.getpid() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(5)
+    open(marker, "w").close()  # must never happen: the call failed, this work is stopped
+
+
+def _raise_or_linger(victim, marker, device):
+    if os.getpid() == victim:
+        raise ValueError("first")
+    time.sleep(5)
+    open(marker, "w").close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["worker-died", "fail-fast"])
+def test_failed_call_stops_what_it_started_before_the_next_call(tmp_path, how):
+    marker = tmp_path / "survivor-finished"
+    with ParallelExecutor(device_ids=CPU2, timeout=30) as ex:
+        pids = ex.run(lambda device: os.getpid())
+        if how == "worker-died":
+            with pytest.raises(WorkerDiedError, match=r"^_die_or_linger died on rank 0"):
+                ex.run(_die_or_linger, pids[0], str(marker))
+        else:  # what NNHandler.launch does: the first error ends the call
+            with pytest.raises(ParallelExecutionError, match=r"^_raise_or_linger failed on rank 0"):
+                ex._run(_raise_or_linger, (pids[0], str(marker)), {}, fail_fast=True)
+        _wait_dead(pids[1], within=3)  # the survivor is stopped with its call, not left to finish
+        begin = time.monotonic()
+        assert len(ex.run(lambda device: os.getpid())) == 2
+        assert time.monotonic() - begin < 15  # did not wait behind the failed call's work
+    time.sleep(6)
+    assert not marker.exists()
+    assert _shm_files() == []
+
+
+@pytest.mark.timeout(90)
+def test_initializer_that_hangs_past_the_timeout_is_a_timeout_error():
+    from nn_handler.utils._executor import ExecutorTimeoutError
+
+    ex = ParallelExecutor(device_ids=CPU2, timeout=3, initializer=lambda device: time.sleep(120))
+    begin = time.monotonic()
+    with pytest.raises(ExecutorTimeoutError, match=r"the initializer did not finish within the 3s timeout") as info:
+        ex.start()
+    assert isinstance(info.value, TimeoutError) and time.monotonic() - begin < 3 + 20
+    assert all(s.process is None for s in ex._pool._slots)
+    with ParallelExecutor(device_ids=CPU2, timeout=30) as again:  # a pool of the same kind starts fine
+        assert again.run(lambda device: 1) == [1, 1]
+    assert _shm_files() == []
 
 
 # ----------------------------------------------------------------------------- bad input, before any process starts

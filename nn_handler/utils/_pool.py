@@ -5,12 +5,13 @@ Data flow::
     caller thread                                   worker i (one per device)
     -------------                                   ------------------------
     run/map ──> Encoder.dumps(fn), dumps(args)
-            ──> conn_i.send_bytes((call, kind, fn, payload)) ──> recv, loads, fn(..., device=dev_i)
+            ──> write (call, kind, fn, payload) to conn_i ──> recv, ack ("got"), loads, fn(..., device=dev_i)
                                                                  Encoder.dumps(result) ──┐
     wait([conn_0..n, sentinel_0..n]) <───────────────────────── send_bytes((ok|err, call, body))
       ├─ a reply: store it; map: hand this worker the next chunk
-      ├─ a sentinel: the worker died ──> WorkerDiedError now; it is restarted on next use
-      └─ the deadline: kill the stuck workers ──> TimeoutError; restarted on next use
+      ├─ a sentinel before the ack of a task it never read: a fresh worker takes the task
+      ├─ a sentinel: the worker died ──> kill the call's other busy workers, WorkerDiedError now
+      └─ the deadline: kill the busy workers ──> TimeoutError (all are restarted on next use)
 
 One duplex pipe per worker (no queue shared by all): a dead worker can only
 break its own pipe, and dynamic load balancing is "send the next chunk to
@@ -28,6 +29,8 @@ import itertools
 import multiprocessing as mp
 import os
 import pickle
+import select
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ from multiprocessing.connection import wait
 
 from ..errors import ParallelExecutionError, RankFailure, WorkerDiedError, describe_exit
 from . import _transport
-from ._worker import guard_against_bootstrap, worker_main
+from ._worker import describe, guard_against_bootstrap, worker_main
 
 _pool_ids = itertools.count()
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -74,6 +77,35 @@ class _Slot:
         return self.process is not None
 
 
+_LATE = object()  # _receive: the deadline passed in the middle of a reply
+
+
+def _read(fd: int, n: int, poller, deadline: float | None, process):
+    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``_LATE`` past ``deadline``.
+
+    ``poller`` watches ``fd`` and the worker's sentinel.
+    """
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        try:
+            chunk = os.readv(fd, [view[got:]])
+        except BlockingIOError:
+            if not process.is_alive():
+                # Dead, and nothing more to read; no EOF to wait for when a
+                # process it forked still holds its end of the pipe.
+                return None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return _LATE
+            poller.poll(None if left is None else max(1, int(left * 1000)))
+            continue
+        if chunk == 0:
+            return None
+        got += chunk
+    return data
+
+
 class WorkerPool:
     """One warm process per device, serving calls one at a time.
 
@@ -101,14 +133,14 @@ class WorkerPool:
         self._closed = False
 
     # ----------------------------------------------------------------- life cycle
-    def start(self) -> None:
-        """Start every worker that is not running, and wait until each is ready."""
+    def start(self, slots: list[_Slot] | None = None) -> None:
+        """Start every worker (of ``slots``: all by default) that is not running, and wait until each is ready."""
         with self._lock:
             self._check_open()
-            for slot in self._slots:
+            for slot in slots or self._slots:
                 if slot.alive and not slot.process.is_alive():
                     self._kill(slot)  # died between calls: reap it and start a new one
-            fresh = [s for s in self._slots if not s.alive]
+            fresh = [s for s in slots or self._slots if not s.alive]
             if not fresh:
                 return
             guard_against_bootstrap()
@@ -132,18 +164,21 @@ class WorkerPool:
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
-        failures, exceptions = [], {}
+        failures, exceptions, timed_out = [], {}, False
         deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready_handles = wait(list(pending) + list(sentinels), timeout=left)
             if not ready_handles:
+                what = "the initializer did not finish" if self._init_blob is not None else "did not start"
                 for slot in list(pending.values()):
                     failures.append(RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid,
-                                                message=f"did not start within {self._start_timeout:g}s"))
+                                                message=f"{what} within the {self._start_timeout:g}s timeout; "
+                                                        f"worker killed"))
                     self._kill(slot)
                 pending.clear()
+                timed_out = True
             for ready in ready_handles:
                 slot = pending.get(ready) or sentinels.get(ready)
                 if slot is None or slot.conn not in pending:
@@ -153,14 +188,14 @@ class WorkerPool:
                 if reply is None:
                     failures.append(self._death(slot, during="start-up"))
                 elif reply[0] == "err":
-                    record, blob = reply[2]
-                    failures.append(record)
-                    if blob is not None:
-                        exceptions[slot.index] = _transport.loads(blob)
+                    self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
         if failures:
             self.shutdown()
-            cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
+            if timed_out:
+                cls = ExecutorTimeoutError
+            else:
+                cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             raise cls(failures, exceptions, function="worker start-up (initializer)")
 
     def shutdown(self) -> None:
@@ -222,14 +257,31 @@ class WorkerPool:
         return record
 
     @staticmethod
-    def _receive(slot: _Slot):
-        """The next reply of ``slot``, or ``None`` when its pipe is closed (it died)."""
+    def _receive(slot: _Slot, deadline: float | None = None):
+        """The next reply of ``slot``; ``None`` when its pipe is closed (it died), ``_LATE`` past ``deadline``.
+
+        Read without blocking, for the reason given at :meth:`_write`: a worker
+        frozen half-way through a large reply must not hold the call past its
+        timeout. (A late reply's worker is then killed with the call.)
+        """
+        fd = slot.conn.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(slot.process.sentinel, select.POLLIN)
+        os.set_blocking(fd, False)
         try:
-            if slot.process.is_alive() or slot.conn.poll():
-                return pickle.loads(slot.conn.recv_bytes())
-        except (EOFError, OSError):
-            pass
-        return None
+            header = _read(fd, 4, poller, deadline, slot.process)
+            if header == b"\xff\xff\xff\xff":  # Connection's framing of a message over 2 GiB
+                header = _read(fd, 8, poller, deadline, slot.process)
+            if not isinstance(header, bytearray):
+                return header
+            size = struct.unpack("!Q" if len(header) == 8 else "!i", header)[0]
+            body = _read(fd, size, poller, deadline, slot.process)
+            return pickle.loads(body) if isinstance(body, bytearray) else body
+        except OSError:
+            return None
+        finally:
+            os.set_blocking(fd, True)
 
     # ----------------------------------------------------------------- calls
     def run(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str, fail_fast: bool = False) -> list:
@@ -274,73 +326,87 @@ class WorkerPool:
             call_id = next(self._call_ids)
             deadline = None if timeout is None else time.monotonic() + timeout
             queue = list(reversed(tasks))  # pop() takes the first task
-            running: dict[int, int] = {}  # slot index -> task key
+            running: dict[int, tuple] = {}  # slot index -> task
+            unread: set[int] = set()  # running, but the worker has read none of its message yet
+            acked: set[int] = set()  # running, and the worker has the whole task
+            resent: set[int] = set()  # slots whose task already went to a replacement once
             results, failures, exceptions = {}, [], {}
             try:
                 while queue or running:
                     for slot in self._slots:
-                        if slot.owes is None and slot.index not in running and queue:
+                        if slot.index not in running and queue:
                             task = self._next_task_for(slot, queue)
                             if task is not None:
-                                self._send(slot, call_id, kind, fn_blob, task[1])
-                                running[slot.index] = task[0]
-                    busy = [s for s in self._slots if s.alive and (s.index in running or s.owes is not None)]
-                    if not busy:
+                                if not slot.alive or not slot.process.is_alive():
+                                    self._kill(slot)  # ended since start() looked: a fresh one takes the task
+                                    self.start([slot])
+                                running[slot.index] = task
+                                acked.discard(slot.index)
+                                unread.discard(slot.index)
+                                if self._send(slot, call_id, kind, fn_blob, task[1], deadline):
+                                    unread.add(slot.index)
+                    if not running:
                         break
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        raise self._timeout(running, timeout, name)
+                        raise self._timeout(running, acked, timeout, name)
                     by_handle = {}
-                    for s in busy:
-                        by_handle[s.conn] = by_handle[s.process.sentinel] = s
-                    died = restart = False
+                    for index in running:
+                        busy = self._slots[index]
+                        by_handle[busy.conn] = by_handle[busy.process.sentinel] = busy
+                    died = False
                     for handle in wait(list(by_handle), timeout=left):
                         slot = by_handle[handle]
-                        if not slot.alive:
+                        if not slot.alive or slot.index not in running:
                             continue  # already handled through its other handle
-                        reply = self._receive(slot)
-                        if reply is None and slot.index not in running:
-                            self._kill(slot)  # died finishing an abandoned call: not this call's failure
-                            restart = True
+                        reply = self._receive(slot, deadline)
+                        if reply is _LATE:
+                            continue  # the deadline check above raises the timeout
+                        if reply is None and slot.index in unread and slot.index not in resent:
+                            # It ended before it read any of the task (it was
+                            # dying between calls): nothing of it ran, so its
+                            # replacement takes the task.
+                            self._kill(slot)
+                            queue.append(running.pop(slot.index))
+                            unread.discard(slot.index)
+                            resent.add(slot.index)
                             continue
                         if reply is None:
-                            failures.append(self._death(slot))
-                            running.pop(slot.index, None)
+                            during = "the call" if slot.index in acked else "the transfer of the call's arguments"
+                            failures.append(self._death(slot, during=during))
+                            running.pop(slot.index)
                             died = True
                             continue
-                        status, reply_call, body = reply
-                        if reply_call != call_id:  # a late reply of an abandoned call
-                            slot.owes = None
+                        status, _, body = reply
+                        if status == "got":  # the worker has the task and starts on it
+                            unread.discard(slot.index)
+                            acked.add(slot.index)
                             continue
-                        key = running.pop(slot.index)
+                        key = running.pop(slot.index)[0]
                         if status == "ok":
                             try:
                                 results[key] = _transport.loads(body)
                                 continue
-                            except Exception as exc:
-                                record, blob = self._unpickle_failure(slot, exc), None
+                            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the caller
+                                failures.append(self._unpickle_failure(slot, exc))
                         else:
-                            record, blob = body
-                        failures.append(record)
-                        if blob is not None:
-                            exceptions[slot.index] = _transport.loads(blob)
+                            self._record_error(slot, body, failures, exceptions)
+                        if status == "exit":  # the function ended its worker (SystemExit): replace it
+                            slot.process.join(_STOP_GRACE)
+                            self._kill(slot)
                         queue.clear()  # map: no new chunks once a call has failed
-                    if failures and fail_fast and running:
-                        self._abandon(running, call_id)  # their replies are discarded; shutdown kills them
-                        raise ParallelExecutionError(failures, exceptions, function=name)
-                    if died:
-                        # Fail now, not when the others finish: they are left
-                        # to finish their part, and their late replies are
-                        # discarded before they take new work.
-                        self._abandon(running, call_id)
-                        raise WorkerDiedError(failures, exceptions, function=name)
-                    if restart:
-                        self.start()
+                    if died or (failures and fail_fast and running):
+                        # Fail now, not when the others finish; and stop their
+                        # share of this call, so that nothing of a failed call
+                        # keeps running unseen or delays the next call.
+                        self._stop(running)
+                        cls = WorkerDiedError if died else ParallelExecutionError
+                        raise cls(failures, exceptions, function=name)
             except KeyboardInterrupt:
                 self.terminate()  # Ctrl-C: every worker ends with the call
                 raise
             except BaseException:
-                self._abandon(running, call_id)
+                self._stop(running)
                 raise
             if failures:
                 raise ParallelExecutionError(failures, exceptions, function=name)
@@ -354,32 +420,85 @@ class WorkerPool:
                 return queue.pop(pos)
         return None
 
-    def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes) -> None:
+    def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes,
+              deadline: float | None) -> bool:
+        """Send one task; True when the worker has read none of it yet (it may still be dying)."""
         fn_part = None if slot.has_fn_for == call_id else fn_blob
-        slot.conn.send_bytes(pickle.dumps((call_id, kind, fn_part, payload)))
         slot.has_fn_for = call_id
-
-    def _abandon(self, running: dict, call_id: int) -> None:
-        for index in running:
-            slot = self._slots[index]
-            if slot.alive:
-                slot.owes = call_id
-        running.clear()
+        return self._write(slot, pickle.dumps((call_id, kind, fn_part, payload)), deadline)
 
     @staticmethod
-    def _unpickle_failure(slot: _Slot, exc: Exception) -> RankFailure:
-        return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
-                           message=f"the result could not be unpickled in the caller: {exc}")
+    def _write(slot: _Slot, data: bytes, deadline: float | None) -> bool:
+        """Write one message in ``Connection.send_bytes``' framing; True when the worker read none of it.
 
-    def _timeout(self, running: dict, timeout: float, name: str) -> ExecutorTimeoutError:
+        Why not ``send_bytes``: it blocks until the worker has read all but the
+        last few hundred KB of a large argument, so a frozen worker would hold
+        the call past its timeout and a worker killed while reading would
+        surface as a raw ``BrokenPipeError``. Here the writes are non-blocking
+        and we wait for room together with the worker's sentinel and the
+        deadline. A worker that stops reading (dead, or closed its end) simply
+        ends the write; the caller's wait on its sentinel reports it.
+        """
+        n = len(data)
+        header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
+        fd = slot.conn.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        poller.register(slot.process.sentinel, select.POLLIN)
+        waited = read_some = False  # the worker made room: it was reading this message
+        os.set_blocking(fd, False)
+        try:
+            for part in (header, data):
+                view = memoryview(part)
+                while view:
+                    try:
+                        view = view[os.write(fd, view):]
+                        read_some = read_some or waited
+                        continue
+                    except BlockingIOError:
+                        pass
+                    except OSError:  # EPIPE, ECONNRESET: its end is closed
+                        return not read_some
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return not read_some  # the wait loop raises the timeout
+                    events = poller.poll(None if left is None else max(1, int(left * 1000)))
+                    if any(handle == slot.process.sentinel for handle, _ in events):
+                        return not read_some  # died; the wait loop reports it
+                    waited = True
+        finally:
+            os.set_blocking(fd, True)  # shutdown's stop message uses the blocking Connection methods
+        return not read_some
+
+    def _stop(self, running: dict) -> None:
+        """Kill the workers still running a failed call's tasks; the next call starts fresh ones."""
+        for index in running:
+            self._kill(self._slots[index])
+        running.clear()
+
+    def _record_error(self, slot: _Slot, body, failures: list, exceptions: dict) -> None:
+        record, blob = body
+        failures.append(record)
+        if blob is not None:
+            try:
+                exceptions[slot.index] = _transport.loads(blob)
+            except (Exception, SystemExit):
+                pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
+
+    @staticmethod
+    def _unpickle_failure(slot: _Slot, exc: BaseException) -> RankFailure:
+        return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
+                           message=f"the result could not be unpickled in the caller: {describe(exc)}")
+
+    def _timeout(self, running: dict, acked: set, timeout: float, name: str) -> ExecutorTimeoutError:
         failures = []
-        stuck = set(running) | {s.index for s in self._slots if s.alive and s.owes is not None}
-        for index in sorted(stuck):
+        for index in sorted(running):
             slot = self._slots[index]
             pid = slot.process.pid
             self._kill(slot)  # stuck: replace it rather than wait on it
+            what = "still running after" if index in acked else "had not taken the call's arguments within"
             failures.append(RankFailure(rank=index, device=slot.device, pid=pid,
-                                        message=f"still running after the {timeout:g}s timeout; worker replaced"))
+                                        message=f"{what} the {timeout:g}s timeout; worker replaced"))
         running.clear()
         return ExecutorTimeoutError(failures, function=name)
 

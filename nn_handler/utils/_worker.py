@@ -4,7 +4,9 @@ Messages from the pool are ``(call_id, kind, fn_blob, payload_blob)``:
 ``kind`` is ``"run"`` (payload ``(args, kwargs)``) or ``"map"`` (payload: a
 chunk of items); ``fn_blob`` is ``None`` when the function is the one already
 cached for this ``call_id`` (a ``map`` sends it once per worker). Replies are
-``(status, call_id, body)`` with ``status`` in ``ok``/``err``/``ready``.
+``(status, call_id, body)`` with ``status`` in ``got`` (the task arrived,
+sent before any of it runs), ``ok``, ``err``, ``exit`` (an error, and the
+worker ends: the function raised ``SystemExit``) or ``ready``.
 """
 
 from __future__ import annotations
@@ -70,17 +72,30 @@ def _watch_parent(parent_pid: int) -> None:
             pass
 
 
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        try:
+            detail = f"{type(inner).__qualname__}: {inner}"
+        except Exception:
+            detail = type(inner).__qualname__
+        return f"<str() failed: {detail}>"
+
+
 def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[RankFailure, bytes | None]:
     record = RankFailure(
         rank=index,
         device=device,
         pid=os.getpid(),
         exc_type=type(exc).__qualname__,
-        message=str(exc),
+        message=describe(exc),  # a failing __str__ must not take the worker down with it
         traceback=tb,
     )
-    # Send the exception object itself only if the caller can rebuild it:
-    # a class with a custom __init__ often cannot be unpickled.
+    # Send the exception object itself only if it can be rebuilt: a class
+    # with a custom __init__ often cannot be unpickled. (A class the caller
+    # cannot import loads fine here; the caller guards its own loads.)
     try:
         blob = _transport.Encoder(None).dumps(exc)[0]
         _transport.loads(blob)
@@ -134,6 +149,10 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         call_id, kind, fn_blob, payload_blob = pickle.loads(message)
         if kind == "stop":
             return
+        # Taken before anything of it runs (unpickling may run user code): a
+        # worker that dies without this ack never started the task, so the
+        # pool can give it to a replacement without running anything twice.
+        conn.send_bytes(pickle.dumps(("got", call_id, None)))
         try:
             if fn_blob is not None:
                 cached_call, cached_fn = call_id, _transport.loads(fn_blob)
@@ -150,14 +169,17 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
             except Exception as exc:
                 raise TypeError(
                     f"the result of {getattr(cached_fn[0], '__name__', 'the function')} could not be pickled "
-                    f"({exc}); return tensors, numbers, lists or dicts of them"
+                    f"({describe(exc)}); return tensors, numbers, lists or dicts of them"
                 ) from exc
             reply = ("ok", call_id, body)
         except BaseException as exc:
-            reply = ("err", call_id, _failure(index, device_str, exc, traceback.format_exc()))
+            failure = _failure(index, device_str, exc, traceback.format_exc())
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                conn.send_bytes(pickle.dumps(reply))
+                # The function asked this process to end: say so, so that the
+                # pool replaces it at once instead of sending it the next call.
+                conn.send_bytes(pickle.dumps(("exit", call_id, failure)))
                 return
+            reply = ("err", call_id, failure)
         conn.send_bytes(pickle.dumps(reply))
 
 
