@@ -890,3 +890,43 @@ def test_forked_child_never_touches_the_parents_pools(child):
     assert "CHILD 0" in result.stdout, result.stdout
     assert "SAME" in result.stdout, result.stdout
     assert "Exception ignored" not in result.stdout and "Traceback" not in result.stdout, result.stdout
+
+
+def test_busy_worker_ends_while_its_dead_caller_is_still_an_unreaped_zombie(tmp_path):
+    """A killed caller stays a zombie until its parent (a shell, a notebook server, here the test)
+    reaps it; signalling a zombie succeeds, so the worker must not take it for alive and spin on."""
+    import subprocess
+
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from nn_handler import ParallelExecutor
+
+        def spin(device):
+            print("WORKER", os.getpid(), flush=True)
+            while True:
+                pass
+
+        if __name__ == "__main__":
+            with ParallelExecutor(device_ids=["cpu"]) as ex:
+                ex.run(spin)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        os.kill(proc.pid, signal.SIGKILL)  # and not reaped: the caller stays a zombie
+        deadline = time.monotonic() + 10
+        while _pids_alive([worker]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # still unreaped
+        assert not _pids_alive([worker]), "the worker spins on while its caller is a zombie"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
