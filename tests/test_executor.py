@@ -855,7 +855,7 @@ def test_executor_inside_a_worker():
 
 
 _FORK_CALLER = textwrap.dedent("""
-    import os, sys
+    import os, sys, threading, time
     from nn_handler import ParallelExecutor, parallelize_on_gpus
 
     @parallelize_on_gpus(device_ids=["cpu", "cpu"], keep_alive=60)
@@ -865,9 +865,13 @@ _FORK_CALLER = textwrap.dedent("""
     if __name__ == "__main__":
         ex = ParallelExecutor(device_ids=["cpu"]).start()
         before = pid(), ex.run(lambda device: os.getpid())
+        if sys.argv[1] == "busy":  # a thread holds the executor's lock at the fork
+            busy = threading.Thread(target=ex.run, args=(lambda device: time.sleep(3),))
+            busy.start()
+            time.sleep(1)
         child = os.fork()
         if child == 0:
-            if sys.argv[1] == "call":  # the child gets its own pool, never the parent's
+            if sys.argv[1] in ("call", "busy"):  # the child gets its own pool, never the parent's
                 mine = pid()
                 assert len(mine) == 2 and not set(mine) & set(before[0]), (mine, before)
                 try:
@@ -878,12 +882,14 @@ _FORK_CALLER = textwrap.dedent("""
             sys.exit(0)  # a normal exit: atexit hooks and finalizers run in the child
         _, status = os.waitpid(child, 0)
         print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+        if sys.argv[1] == "busy":
+            busy.join()
         after = pid(), ex.run(lambda device: os.getpid())
         print("SAME" if after == before else f"CHANGED {before} -> {after}", flush=True)
 """)
 
 
-@pytest.mark.parametrize("child", ["exit", "call"])
+@pytest.mark.parametrize("child", ["exit", "call", "busy"])
 def test_forked_child_never_touches_the_parents_pools(child):
     result = run_command([sys.executable, "-c", _FORK_CALLER, child], timeout=90)
     assert result.returncode == 0, result.stdout
