@@ -875,3 +875,381 @@ def test_workers_are_pinned_to_their_gpu_and_results_come_back_on_cpu():
         assert [(i, d) for i, d, _ in results] == [(i, f"cuda:{i}") for i in range(n)]
         assert all(t.device.type == "cpu" and not t.requires_grad and float(t[0]) == 2.0 for _, _, t in results)
         assert ex.map(lambda x, device: (x * 2).to(device).sum().item(), [torch.ones(3)] * 4) == [6.0] * 4
+
+
+# ----------------------------------------------------------------------------- life cycle: Ctrl-C, exit, fork, nesting
+_CTRL_C_CALLER = textwrap.dedent("""
+    import os, sys, threading, time
+    from nn_handler import ParallelExecutor
+
+    TMP = sys.argv[1]
+
+    def mark(device):  # tells the test which worker is where
+        open(os.path.join(TMP, str(os.getpid())), "w").close()
+
+    def spin_init(device):  # a compute-bound initializer (loading a model)
+        mark(device)
+        while True:
+            pass
+
+    def spin(device):  # a compute-bound call
+        mark(device)
+        while True:
+            pass
+
+    def linger(device):  # a worker slow to leave: a non-daemon thread outlives "stop"
+        threading.Thread(target=time.sleep, args=(300,)).start()
+        mark(device)
+
+    def phase(name, body):
+        try:
+            print(name, flush=True)
+            body()
+        except KeyboardInterrupt:  # a REPL or notebook lives on after Ctrl-C
+            pass
+        while True:  # wait for the test to look, whatever Ctrl-C's are still coming
+            try:
+                print("AFTER", name, flush=True)
+                sys.stdin.readline()
+                return
+            except KeyboardInterrupt:
+                pass
+
+    def in_initializer():
+        global ex  # a notebook's executor lives in a global: nothing collects it after Ctrl-C
+        ex = ParallelExecutor(device_ids=["cpu", "cpu"], initializer=spin_init)
+        with ex:  # Ctrl-C inside __enter__: __exit__ never runs
+            ex.run(spin)
+
+    def in_call():
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            ex.run(spin)
+
+    def in_shutdown():
+        with ParallelExecutor(device_ids=["cpu", "cpu"], initializer=linger) as ex:
+            ex.run(lambda device: None)
+            print("LEAVING", flush=True)
+
+    def at_start():
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            ex.run(spin)
+
+    if __name__ == "__main__":
+        for name, body in [("init", in_initializer), ("call", in_call), ("shutdown", in_shutdown),
+                           ("start", at_start)]:
+            phase(name, body)
+        print("DONE", flush=True)
+""")
+
+
+def _descendant_workers(pid: int) -> list[int]:
+    from conftest import live_children
+
+    return _pids_alive(live_children(pid))
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_at_any_moment_leaves_no_worker(tmp_path):
+    """Ctrl-C (to the whole process group, as a terminal sends it) during the initializer, during a call
+    (three in a row), during shutdown (twice) and during start-up: no worker survives while the caller
+    lives on (a REPL), and the caller ends cleanly."""
+    import subprocess
+
+    script = tmp_path / "caller.py"
+    script.write_text(_CTRL_C_CALLER)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+
+    def read_until(prefix, timeout=90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if line.startswith(prefix):
+                return
+        pytest.fail(f"caller never printed {prefix!r}; output:\n{''.join(seen)[-3000:]}")
+
+    def wait_for_marks(n, timeout=90):
+        deadline = time.monotonic() + timeout
+        while len(os.listdir(marks)) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(marks)) >= n, "the workers never reached the function"
+        pids = [int(p) for p in os.listdir(marks)]
+        for p in pids:
+            os.unlink(marks / str(p))
+        return pids
+
+    def ctrl_c(times=1, gap=0.05):
+        for _ in range(times):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(gap)
+
+    def check_nothing_left(name, pids):
+        read_until(f"AFTER {name}")
+        deadline = time.monotonic() + 10
+        while (_descendant_workers(proc.pid) or _pids_alive(pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = sorted(set(_descendant_workers(proc.pid)) | set(_pids_alive(pids)))
+        assert not left, f"Ctrl-C during {name}: workers {left} still alive while the caller lives"
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+
+    try:
+        read_until("init")
+        pids = wait_for_marks(2)  # both workers are in the initializer
+        ctrl_c()
+        check_nothing_left("init", pids)
+
+        read_until("call")
+        pids = wait_for_marks(2)
+        ctrl_c(times=3)
+        check_nothing_left("call", pids)
+
+        read_until("shutdown")
+        pids = wait_for_marks(2)
+        read_until("LEAVING")
+        time.sleep(0.5)  # inside __exit__, waiting for the lingering workers to leave
+        ctrl_c(times=2, gap=0.3)
+        check_nothing_left("shutdown", pids)
+
+        read_until("start")
+        time.sleep(0.3)  # while the workers are being created
+        ctrl_c(times=4, gap=0.2)
+        check_nothing_left("start", [])
+
+        read_until("DONE")
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0, "".join(seen)[-3000:]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    assert not _descendant_workers(proc.pid)
+
+
+_EXIT_WITH_DAEMON_THREAD_IN_A_CALL = textwrap.dedent("""
+    import os, threading, time
+    from nn_handler import ParallelExecutor, parallelize_on_gpus
+
+    @parallelize_on_gpus(device_ids=["cpu"], keep_alive=60)
+    def decorated(seconds, device):
+        time.sleep(seconds)
+        return os.getpid()
+
+    if __name__ == "__main__":
+        ex = ParallelExecutor(device_ids=["cpu", "cpu"]).start()
+        print("PIDS", *ex.run(lambda device: os.getpid()), *decorated(0), flush=True)
+        threading.Thread(target=ex.run, args=(lambda device: time.sleep(300),), daemon=True).start()
+        threading.Thread(target=decorated, args=(300,), daemon=True).start()
+        time.sleep(1)  # both threads are inside their calls
+        print("MAIN RETURNS", flush=True)
+""")
+
+
+def test_interpreter_exit_with_a_daemon_thread_in_a_call_ends_the_workers():
+    start = time.monotonic()
+    result = run_command([sys.executable, "-c", _EXIT_WITH_DAEMON_THREAD_IN_A_CALL], timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert "MAIN RETURNS" in result.stdout
+    pids = [int(p) for p in re.search(r"PIDS (.*)", result.stdout).group(1).split()]
+    assert len(pids) == 3 and not _pids_alive(pids)
+    assert time.monotonic() - start < 45
+
+
+def test_keep_alive_timer_never_shuts_a_pool_in_use():
+    """Thread A's call ends (its release starts the idle timer) while thread B, which already holds the
+    same warm pool, is still pickling its argument: the timer must not shut the pool under B."""
+    a_returned = threading.Event()
+
+    class SlowToPickle:
+        def __reduce__(self):
+            a_returned.wait(30)
+            time.sleep(0.5)  # 10x keep_alive: the old timer fires here
+            return (int, (7,))
+
+    @parallelize_on_gpus(device_ids=["cpu"], keep_alive=0.05)
+    def echo(x, seconds, device):
+        time.sleep(seconds)
+        return x, os.getpid()
+
+    results, errors = {}, []
+
+    def a():
+        try:
+            results["a"] = echo(1, 1.0)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        a_returned.set()
+
+    def b():
+        try:
+            results["b"] = echo(SlowToPickle(), 0)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    try:
+        ta = threading.Thread(target=a)
+        ta.start()
+        deadline = time.monotonic() + 30
+        while len(_executor._warm_pools) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # A holds the pool
+        tb = threading.Thread(target=b)
+        tb.start()
+        ta.join(60)
+        tb.join(60)
+        assert not errors, errors
+        assert results["a"][0][0] == 1 and results["b"][0][0] == 7
+        assert results["a"][0][1] == results["b"][0][1]  # one pool served both
+    finally:
+        _executor._warm_pools.shutdown_all()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _exit_in_init(device):
+    os._exit(3)
+
+
+def test_failed_starts_leave_no_fd_and_shutdown_works(monkeypatch):
+    import multiprocessing.process
+
+    real_start = multiprocessing.process.BaseProcess.start
+    starts, started = [], []
+
+    def second_start_fails(self):
+        starts.append(self)
+        if len(starts) % 2 == 0:
+            raise OSError(11, "Resource temporarily unavailable")  # as fork() under a process limit
+        real_start(self)
+        started.append(self.pid)
+
+    for attempt in range(4):
+        ex = ParallelExecutor(device_ids=CPU2, initializer=_exit_in_init)
+        with pytest.raises(WorkerDiedError, match="exit code 3"):
+            ex.start()
+        ex.shutdown()
+        if attempt == 0:
+            fds = _fds()
+    assert _fds() == fds
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", second_start_fails)
+    for attempt in range(4):
+        ex = ParallelExecutor(device_ids=CPU2)
+        with pytest.raises(OSError, match="Resource temporarily unavailable"):
+            ex.start()
+        ex.shutdown()  # no AttributeError
+        assert len(started) == attempt + 1 and not _pids_alive(started)  # the worker that did start is gone
+        if attempt == 0:
+            fds = _fds()
+    assert _fds() == fds, "file descriptors leaked by failed starts"
+
+
+def test_executor_inside_a_worker():
+    def nested(device):
+        with ParallelExecutor(device_ids=CPU2) as inner:
+            return os.getpid(), inner.run(lambda x, device: (x, os.getpid(), os.getppid()), 5)
+
+    with ParallelExecutor(device_ids=["cpu"]) as ex:
+        [(outer, inner)] = ex.run(nested)
+        assert [x for x, _, _ in inner] == [5, 5]
+        inner_pids = [p for _, p, _ in inner]
+        assert outer not in inner_pids and len(set(inner_pids)) == 2
+        assert not _pids_alive(inner_pids)  # the with block inside the worker ended them
+    # the worker's own forkserver ends with the worker
+    servers = {server for _, _, server in inner}
+    deadline = time.monotonic() + 10
+    while _pids_alive(servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pids_alive(servers | {outer})
+
+
+_FORK_CALLER = textwrap.dedent("""
+    import os, sys, threading, time
+    from nn_handler import ParallelExecutor, parallelize_on_gpus
+
+    @parallelize_on_gpus(device_ids=["cpu", "cpu"], keep_alive=60)
+    def pid(device):
+        return os.getpid()
+
+    if __name__ == "__main__":
+        ex = ParallelExecutor(device_ids=["cpu"]).start()
+        before = pid(), ex.run(lambda device: os.getpid())
+        if sys.argv[1] == "busy":  # a thread holds the executor's lock at the fork
+            busy = threading.Thread(target=ex.run, args=(lambda device: time.sleep(3),))
+            busy.start()
+            time.sleep(1)
+        child = os.fork()
+        if child == 0:
+            if sys.argv[1] in ("call", "busy"):  # the child gets its own pool, never the parent's
+                mine = pid()
+                assert len(mine) == 2 and not set(mine) & set(before[0]), (mine, before)
+                try:
+                    ex.run(lambda device: 1)
+                    sys.exit("the parent's executor ran in the child")
+                except RuntimeError as exc:
+                    assert "forked" in str(exc), exc
+            sys.exit(0)  # a normal exit: atexit hooks and finalizers run in the child
+        _, status = os.waitpid(child, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+        if sys.argv[1] == "busy":
+            busy.join()
+        after = pid(), ex.run(lambda device: os.getpid())
+        print("SAME" if after == before else f"CHANGED {before} -> {after}", flush=True)
+""")
+
+
+@pytest.mark.parametrize("child", ["exit", "call", "busy"])
+def test_forked_child_never_touches_the_parents_pools(child):
+    result = run_command([sys.executable, "-c", _FORK_CALLER, child], timeout=90)
+    assert result.returncode == 0, result.stdout
+    assert "CHILD 0" in result.stdout, result.stdout
+    assert "SAME" in result.stdout, result.stdout
+    assert "Exception ignored" not in result.stdout and "Traceback" not in result.stdout, result.stdout
+
+
+def test_busy_worker_ends_while_its_dead_caller_is_still_an_unreaped_zombie(tmp_path):
+    """A killed caller stays a zombie until its parent (a shell, a notebook server, here the test)
+    reaps it; signalling a zombie succeeds, so the worker must not take it for alive and spin on."""
+    import subprocess
+
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from nn_handler import ParallelExecutor
+
+        def spin(device):
+            print("WORKER", os.getpid(), flush=True)
+            while True:
+                pass
+
+        if __name__ == "__main__":
+            with ParallelExecutor(device_ids=["cpu"]) as ex:
+                ex.run(spin)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        os.kill(proc.pid, signal.SIGKILL)  # and not reaped: the caller stays a zombie
+        deadline = time.monotonic() + 10
+        while _pids_alive([worker]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # still unreaped
+        assert not _pids_alive([worker]), "the worker spins on while its caller is a zombie"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

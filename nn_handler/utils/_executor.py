@@ -202,8 +202,9 @@ class ParallelExecutor:
                 raise
         self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
                                 threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout)
-        # Workers end with the executor even if it is dropped without shutdown().
-        self._finalizer = weakref.finalize(self, self._pool.shutdown)
+        # Workers end with the executor even if it is dropped without shutdown(),
+        # and at interpreter exit without waiting for a daemon thread's call.
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
 
     @property
     def num_workers(self) -> int:
@@ -244,6 +245,7 @@ class ParallelExecutor:
         return self._run(func, args, kwargs)
 
     def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False, name: str | None = None) -> list:
+        self._pool.check_owner()
         fn_blob = _pickle_call(func, self.pass_device)
         try:
             return self._pool.run(fn_blob, args, kwargs, self.timeout, name or _name(func), fail_fast)
@@ -265,6 +267,7 @@ class ParallelExecutor:
         """
         if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize <= 0:
             raise ValueError(f"chunksize must be a positive integer, got {chunksize!r}")
+        self._pool.check_owner()
         fn_blob = _pickle_call(func, self.pass_device)
         items = list(iterable)
         chunks = [items[i:i + chunksize] for i in range(0, len(items), chunksize)]
@@ -286,32 +289,44 @@ class _WarmPools:
     """Warm executors shared by decorated functions, keyed by their configuration.
 
     Each stays alive while used and shuts down ``keep_alive`` seconds after
-    its last call, and at interpreter exit.
+    its last call ends, and at interpreter exit. Pools belong to the process
+    that started them: a child made with ``os.fork()`` starts its own.
     """
 
     def __init__(self):
+        self._reset()
+        self._hooked = False
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._pools: dict[tuple, ParallelExecutor] = {}
         self._timers: dict[tuple, threading.Timer] = {}
-        self._atexit = False
+        self._users: dict[tuple, int] = {}  # calls in progress per pool: only an idle pool expires
 
     def get(self, key: tuple, make: Callable[[], ParallelExecutor]) -> ParallelExecutor:
         with self._lock:
-            if not self._atexit:
-                atexit.register(self.shutdown_all)
-                self._atexit = True
+            if not self._hooked:
+                atexit.register(self.shutdown_all, wait=False)
+                # The child inherits the parent's pools but must not use or stop them.
+                os.register_at_fork(after_in_child=self._reset)
+                self._hooked = True
             timer = self._timers.pop(key, None)
             if timer is not None:
                 timer.cancel()
             executor = self._pools.get(key)
             if executor is None or executor._pool.closed:
                 executor = self._pools[key] = make()
+                self._users[key] = 0
+            self._users[key] += 1
             return executor
 
     def release(self, key: tuple, executor: ParallelExecutor, keep_alive: float) -> None:
         with self._lock:
             if self._pools.get(key) is not executor:
                 return
+            self._users[key] -= 1
+            if self._users[key] > 0:
+                return  # another thread is still calling it
             timer = threading.Timer(keep_alive, self._expire, args=(key, executor))
             timer.daemon = True  # never keeps the interpreter alive
             self._timers[key] = timer
@@ -319,29 +334,32 @@ class _WarmPools:
 
     def _expire(self, key: tuple, executor: ParallelExecutor) -> None:
         with self._lock:
-            if self._pools.get(key) is not executor or key not in self._timers:
+            if self._pools.get(key) is not executor or key not in self._timers or self._users[key] > 0:
                 return
-            del self._pools[key], self._timers[key]
+            del self._pools[key], self._timers[key], self._users[key]
         executor.shutdown()
 
     def close(self, key: tuple) -> None:
         """Shut down the pool of one configuration now (a later call starts a new one)."""
         with self._lock:
             executor = self._pools.pop(key, None)
+            self._users.pop(key, None)
             timer = self._timers.pop(key, None)
             if timer is not None:
                 timer.cancel()
         if executor is not None:
             executor.shutdown()
 
-    def shutdown_all(self) -> None:
+    def shutdown_all(self, wait: bool = True) -> None:
+        """Shut down every pool; ``wait=False`` (at exit) kills the workers of calls still running."""
         with self._lock:
             pools, self._pools = list(self._pools.values()), {}
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
+            self._users.clear()
         for executor in pools:
-            executor.shutdown()
+            executor._pool.shutdown(wait=wait)
 
     def __len__(self) -> int:
         return len(self._pools)

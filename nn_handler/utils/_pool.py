@@ -25,11 +25,13 @@ there is no forkserver.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
 import pickle
 import select
+import signal
 import struct
 import threading
 import time
@@ -45,8 +47,15 @@ _pool_ids = itertools.count()
 _STOP_GRACE = 2.0
 
 
+_forkserver_user: int | None = None  # the process whose forkserver our workers come from
+
+
 def _context():
-    if "forkserver" in mp.get_all_start_methods():
+    global _forkserver_user
+    # A child made with os.fork() inherits its parent's forkserver handle,
+    # which only the parent can check on: it spawns its workers instead.
+    if "forkserver" in mp.get_all_start_methods() and _forkserver_user in (None, os.getpid()):
+        _forkserver_user = os.getpid()
         ctx = mp.get_context("forkserver")
         # Only takes effect if this process has not started its forkserver yet.
         ctx.set_forkserver_preload(["torch", "nn_handler.utils._worker"])
@@ -131,10 +140,12 @@ class WorkerPool:
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
         self._lock = threading.RLock()  # one call at a time; shutdown waits for it
         self._closed = False
+        self._owner = os.getpid()  # a forked child inherits this object, never its workers
 
     # ----------------------------------------------------------------- life cycle
     def start(self, slots: list[_Slot] | None = None) -> None:
         """Start every worker (of ``slots``: all by default) that is not running, and wait until each is ready."""
+        self.check_owner()
         with self._lock:
             self._check_open()
             for slot in slots or self._slots:
@@ -145,22 +156,48 @@ class WorkerPool:
                 return
             guard_against_bootstrap()
             ctx = _context()
-            for slot in fresh:
-                slot.incarnation += 1
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
-                slot.process = ctx.Process(
-                    target=worker_main,
-                    args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                          self._pass_device, prefix, os.getpid()),
-                    name=f"nn_handler-worker-{slot.index}",
-                    daemon=True,
-                )
-                slot.process.start()
-                child_conn.close()  # only the child holds its end: EOF once it dies
-                slot.conn = parent_conn
-                slot.owes = slot.has_fn_for = None
-            self._await_ready(fresh)
+            try:
+                for slot in fresh:
+                    self._start_worker(ctx, slot)
+                self._await_ready(fresh)
+            except BaseException:
+                # Ctrl-C during the initializer, a process that could not be
+                # created: the workers started so far end with the start.
+                self.terminate()
+                raise
+
+    def _start_worker(self, ctx, slot: _Slot) -> None:
+        slot.incarnation += 1
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
+        # Not daemonic, so that a function may start its own executor in a
+        # worker. What daemon=True gave, the pool does itself: shutdown() and
+        # the executor's finalizer end the workers (also at exit), and a
+        # worker ends on its own on EOF or when the caller is gone.
+        process = ctx.Process(
+            target=worker_main,
+            args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
+                  self._pass_device, prefix, os.getpid()),
+            name=f"nn_handler-worker-{slot.index}",
+            daemon=False,
+        )
+        # Ctrl-C half-way through start() would leave a process the pool does
+        # not know of: it is delivered once the slot holds the process.
+        with _sigint_deferred():
+            try:
+                process.start()
+            except BaseException:
+                parent_conn.close()
+                child_conn.close()
+                raise
+            finally:
+                # Kept out of multiprocessing's own exit hook, which would join a
+                # non-daemonic worker (a hang if it is stuck) and which, in a child
+                # made with os.fork(), would stop the parent's workers.
+                mp.process._children.discard(process)
+            child_conn.close()  # only the child holds its end: EOF once it dies
+            slot.process, slot.conn = process, parent_conn
+            slot.owes = slot.has_fn_for = None
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
@@ -198,31 +235,75 @@ class WorkerPool:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             raise cls(failures, exceptions, function="worker start-up (initializer)")
 
-    def shutdown(self) -> None:
-        """Stop every worker; idempotent. Idle workers are asked to stop, busy ones are killed."""
-        with self._lock:
-            if self._closed:
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Stop every worker; idempotent. Idle workers are asked to stop, busy ones are killed.
+
+        Args:
+            wait: Wait for a call running in another thread to end. ``False``
+                (at interpreter exit, where that thread may be a daemon that
+                never returns) kills its workers at once instead.
+        """
+        if os.getpid() != self._owner:
+            self._forget()
+            return
+        if not self._lock.acquire(blocking=wait):
+            self._closed = True  # the call's next start() fails instead of restarting them
+            for slot in list(self._slots):
+                _signal_kill(slot.process)  # the calling thread sees them die and lets go
+            if not self._lock.acquire(timeout=10):
+                return  # the workers are dead already; nothing else to wait for
+        try:
+            if self._closed and not any(s.alive for s in self._slots):
                 return
-            self._closed = True
-            for slot in self._slots:
-                if slot.alive and slot.owes is None:
-                    try:
-                        slot.conn.send_bytes(pickle.dumps((0, "stop", None, None)))
-                    except OSError:
-                        pass
-            deadline = time.monotonic() + _STOP_GRACE
-            for slot in self._slots:
-                if slot.alive:
-                    if slot.owes is None:
-                        slot.process.join(max(0.0, deadline - time.monotonic()))
-                    self._kill(slot)
-            _transport.remove_prefixed(_transport.shm_prefix(self._token))
+            try:
+                self._closed = True
+                self._stop_idle_workers()
+            finally:
+                # Even when Ctrl-C ends the wait above: a second Ctrl-C must
+                # not leave a worker running (and the pool marked closed).
+                with _sigint_deferred():
+                    for slot in self._slots:
+                        self._kill(slot)
+                    _transport.remove_prefixed(_transport.shm_prefix(self._token))
+        finally:
+            self._lock.release()
+
+    def _stop_idle_workers(self) -> None:
+        """Ask idle workers to leave and give them a moment to do so."""
+        for slot in self._slots:
+            if slot.alive and slot.owes is None:
+                try:
+                    slot.conn.send_bytes(pickle.dumps((0, "stop", None, None)))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _STOP_GRACE
+        for slot in self._slots:
+            if slot.alive and slot.owes is None:
+                slot.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's pipes without a word to its workers."""
+        self._closed = True
+        for slot in self._slots:
+            if slot.conn is not None:
+                slot.conn.close()  # our copy only; the parent keeps its own
+            slot.process = slot.conn = None
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    def check_owner(self) -> None:
+        """Raise if this process is a fork of the one that made the pool (before any lock: a thread of
+        the parent may have held it at the fork)."""
+        if os.getpid() != self._owner:
+            raise RuntimeError(
+                f"this executor belongs to process {self._owner}; a forked child cannot use its parent's workers: "
+                f"create a new ParallelExecutor in the child"
+            )
+
     def _check_open(self) -> None:
+        self.check_owner()
         if self._closed:
             raise RuntimeError("this executor has been shut down; create a new one")
 
@@ -230,20 +311,24 @@ class WorkerPool:
         """End a worker for good and reap it (no zombie), dropping its unread result files."""
         if slot.process is None:
             return
-        if slot.process.is_alive():
-            slot.process.kill()
-        slot.process.join()
-        slot.process.close()
-        slot.conn.close()
-        slot.process = slot.conn = None
-        slot.owes = slot.has_fn_for = None
+        with _sigint_deferred():  # half-reaped, the slot would be stuck with a closed process
+            if slot.process.is_alive():
+                slot.process.kill()
+            slot.process.join()
+            slot.process.close()
+            if slot.conn is not None:
+                slot.conn.close()
+            slot.process = slot.conn = None
+            slot.owes = slot.has_fn_for = None
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
     def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
         slot.process.join(1.0)
         exitcode = slot.process.exitcode
         hint = ""
-        if during == "start-up":
+        if self._closed:  # killed by shutdown(wait=False) from another thread, e.g. at interpreter exit
+            hint = "; the executor was shut down while the call ran"
+        elif during == "start-up":
             hint = ("; see its output above. If your script creates the executor at import time, start it under "
                     "`if __name__ == \"__main__\":` (workers import the main module)")
         record = RankFailure(
@@ -504,7 +589,40 @@ class WorkerPool:
 
     def terminate(self) -> None:
         """Kill every worker at once (Ctrl-C, caller error) and close the pool."""
-        with self._lock:
+        if os.getpid() != self._owner:
+            return self.shutdown()
+        with self._lock, _sigint_deferred():  # a second Ctrl-C waits until they are gone
             for slot in self._slots:
                 slot.owes = 0 if slot.alive else None  # busy or not: kill, don't ask
             self.shutdown()
+
+
+def _signal_kill(process) -> None:
+    """SIGKILL a worker that another thread is using; harmless if that thread has just closed it."""
+    try:
+        process.kill()  # only sends the signal: the other thread reaps it
+    except (ValueError, AttributeError, OSError):
+        pass
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C back while workers are killed and reaped, then deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers run in the main thread only
+        return
+    received = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    except (ValueError, TypeError):  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])  # the default one raises KeyboardInterrupt
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)

@@ -62,8 +62,8 @@ def _start_worker(token: str, model_or_factory, is_factory: bool, data, settings
         model = model_or_factory
     state = {"model": model.to(device).eval(), "data": data, "device": device, **settings}
     if settings["num_workers"]:
-        # Threads, not processes: an executor's workers are daemonic and may
-        # not start children. Loading that releases the GIL (file reads, image
+        # Threads, not processes: no second pool of processes per device to
+        # start and feed. Loading that releases the GIL (file reads, image
         # decoding, tokenizers, torch ops) runs in parallel all the same.
         state["loader_pool"] = ThreadPoolExecutor(settings["num_workers"], thread_name_prefix="nn_handler-load")
     _WORKERS[token] = state

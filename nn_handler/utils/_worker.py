@@ -59,17 +59,37 @@ def worker_index() -> int | None:
 # recv() learns of the caller's death from EOF at once; this catches the
 # worker that is busy computing when the caller is killed.
 _WATCHDOG_PERIOD = 0.5
+_HAVE_PROC = os.path.isdir("/proc/self")  # Linux; elsewhere a signal tells if the caller exists
 
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(_WATCHDOG_PERIOD)
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
+        if _is_gone(parent_pid):
             os._exit(1)  # nobody is left to read our results
-        except PermissionError:
+
+
+def _is_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited, also while it is a zombie that its own parent has not reaped yet.
+
+    Signalling a zombie succeeds, so os.kill(pid, 0) alone would keep a busy
+    worker running (at 100% CPU) for as long as nobody reaps its dead caller.
+    """
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        except FileNotFoundError:
+            return True
+        except OSError:
             pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 def describe(exc: BaseException) -> str:
