@@ -60,14 +60,39 @@ _WATCHDOG_PERIOD = 0.5
 
 
 def _watch_parent(parent_pid: int) -> None:
-    while True:
+    # However this worker ends (EOF from a dead caller, a broken pipe while it
+    # replied), the files its caller left in shared memory go with it: a caller
+    # killed by a signal cleans nothing, and nobody else knows these names.
+    from multiprocessing import util
+
+    util.Finalize(None, _clean_if_orphaned, args=(parent_pid,), exitpriority=0)
+    while _parent_alive(parent_pid):
         time.sleep(_WATCHDOG_PERIOD)
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)  # nobody is left to read our results
-        except PermissionError:
-            pass
+    _transport.remove_process_files(parent_pid, final=True)
+    os._exit(1)  # nobody is left to read our results
+
+
+def _clean_if_orphaned(parent_pid: int) -> None:
+    if not _parent_alive(parent_pid):
+        _transport.remove_process_files(parent_pid)
+
+
+def _parent_alive(pid: int) -> bool:
+    """False once ``pid`` has exited or is exiting (its pipe ends close before it becomes a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        PF_EXITING = 0x4
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
+    except OSError:
+        pass
+    try:  # gone, or no /proc here: ask the kernel (it counts a zombie as alive)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[RankFailure, bytes | None]:
