@@ -26,6 +26,8 @@ there is no forkserver.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -138,6 +140,8 @@ class WorkerPool:
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
         self._call_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
+        # map items go to one worker each: it unlinks their files as it loads them
+        self._items = _transport.Encoder(_transport.shm_prefix(f"{self._token}-m"))
         self._lock = threading.RLock()  # one call at a time; shutdown waits for it
         self._closed = False
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
@@ -385,22 +389,41 @@ class WorkerPool:
         return [results[i] for i in range(len(self._slots))]
 
     def map(self, fn_blob: bytes, chunks, timeout: float | None, name: str) -> list:
-        """Call the function on every item; chunks go to whichever worker is free."""
+        """Call the function on every item; chunks go to whichever worker is free.
+
+        Every chunk is pickled before anything runs (an item that cannot be
+        pickled fails the call before it starts), but a chunk with large
+        tensors gets its shared-memory files only when a worker is about to
+        receive it, and the worker unlinks them as it loads it: shared memory
+        holds a chunk or two per worker, whatever the size of the input.
+        """
         files: list[str] = []
+
+        def encode(chunk) -> bytes:
+            payload, created = self._encode(chunk, self._items)
+            files.extend(created)
+            return payload
+
         tasks = []
+        for key, chunk in enumerate(chunks):
+            try:
+                payload = self._items.probe(chunk)
+            except Exception as exc:
+                raise PayloadPicklingError(str(exc)) from exc
+            tasks.append((key, payload if payload is not None else functools.partial(encode, chunk), None))
         try:
-            for key, chunk in enumerate(chunks):
-                payload, created = self._encode(chunk)
-                files += created
-                tasks.append((key, payload, None))
             results = self._dispatch("map", fn_blob, tasks, timeout, name)
         finally:
-            _transport.remove_files(files)
+            _transport.remove_files(files)  # chunks whose worker died before loading them
         return [item for key in range(len(tasks)) for item in results[key]]
 
-    def _encode(self, obj) -> tuple[bytes, list[str]]:
+    def _encode(self, obj, encoder: _transport.Encoder | None = None) -> tuple[bytes, list[str]]:
         try:
-            return self._args.dumps(obj)
+            return (encoder or self._args).dumps(obj)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise  # no room in shared memory nor in the temp dir: not a pickling problem
+            raise PayloadPicklingError(str(exc)) from exc
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc
 
@@ -473,6 +496,7 @@ class WorkerPool:
                                 results[key] = _transport.loads(body)
                                 continue
                             except (Exception, SystemExit) as exc:  # SystemExit too: it would end the caller
+                                self._drop_reply_files(slot)
                                 failures.append(self._unpickle_failure(slot, exc))
                         else:
                             self._record_error(slot, body, failures, exceptions)
@@ -502,8 +526,14 @@ class WorkerPool:
         # run: each task is addressed to one worker; map: any worker takes the next one.
         for pos in range(len(queue) - 1, -1, -1):
             if queue[pos][2] in (None, slot.index):
-                return queue.pop(pos)
+                key, payload, target = queue.pop(pos)
+                # map: a chunk with large tensors is written to shared memory only now
+                return key, payload() if callable(payload) else payload, target
         return None
+
+    def _drop_reply_files(self, slot: _Slot) -> None:
+        """Remove the result files of a reply that will not be loaded (the worker is idle: nothing else is in flight)."""
+        _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
     def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes,
               deadline: float | None) -> bool:

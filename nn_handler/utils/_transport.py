@@ -6,6 +6,12 @@ defined in ``__main__`` or a notebook included). A CPU tensor of at least
 its name travels; the receiver maps that file (torch owns the mapping, so it is
 released with the tensor) and unlinks the name at once.
 
+``NN_HANDLER_SHM_DIR`` (read at first use) puts these files in another
+directory. A tensor that does not fit there (Docker gives containers 64 MiB of
+``/dev/shm``) goes to a file under the temp dir instead, with one warning per
+process. Files are named ``nnh-<pid of the caller>-<tag>-<n>`` in either
+directory: whoever cleans up a sender, a call or a dead caller globs that name.
+
 Why not torch.multiprocessing's shared-memory reducers: they hand over file
 descriptors that the *sending* process must stay alive to serve, so a worker
 that exits right after sending loses its results (the ``EOFError`` trap). A
@@ -14,16 +20,26 @@ named file outlives its writer, and its reader needs nobody.
 
 from __future__ import annotations
 
+import errno
 import glob
 import io
 import itertools
 import os
 import pickle
+import tempfile
+import threading
+import warnings
 
 import cloudpickle
 import torch
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+SHM_DIR_ENV = "NN_HANDLER_SHM_DIR"
+_shm_dir: list = []  # [the directory or None], filled at first use
+_seen_dirs: set[str] = set()  # every directory this process named files in (a dead caller's files are there)
+_spill_warned = False
+# Held while a file is created: a worker that cleans up after its dead caller
+# takes it for good, so no file appears after its last look.
+_create_lock = threading.Lock()
 # Below this size a tensor is cheaper as bytes in the message than as a file
 # to create, map and unlink.
 SHM_THRESHOLD = 1 << 20
@@ -53,13 +69,17 @@ def _reduce_small(t: torch.Tensor):
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool):
+    def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool, spill: bool = False,
+                 probe: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._prefix = prefix
         self._counter = counter
         self._to_cpu = to_cpu
         self._private = private
+        self._spill = spill
+        self._probe = probe
         self.created: list[str] = []
+        self.needs_files = False
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
@@ -79,8 +99,10 @@ class _Pickler(cloudpickle.Pickler):
             return None  # keep the Parameter type (rare in payloads; torch pickles it)
         if self._prefix is None or t.nbytes < SHM_THRESHOLD:
             return _reduce_small(t)
-        path = f"{self._prefix}{next(self._counter)}"
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        if self._probe:
+            self.needs_files = True
+            return int, ()  # a stand-in: probing checks that the rest pickles, and copies nothing
+        path, fd = _create(self._prefix, next(self._counter), t.nbytes, spill=self._spill)
         self.created.append(path)
         try:
             # write() fills tmpfs at memcpy speed; copying through a fresh
@@ -106,15 +128,46 @@ class Encoder:
     """
 
     def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False):
-        self.prefix = prefix if SHM_DIR else None
+        self.prefix = prefix
         self.to_cpu = to_cpu
         self.private = private
         self._counter = itertools.count()
+        if prefix:
+            _seen_dirs.add(os.path.dirname(prefix))
 
     def dumps(self, obj) -> tuple[bytes, list[str]]:
         """Return the bytes and the shared-memory files created for them."""
+        try:
+            return self._dump(obj)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        # The directory filled up while we wrote (others write there too):
+        # every file of this message goes to the temp dir instead.
+        _warn_spill(os.path.dirname(self.prefix))
+        try:
+            return self._dump(obj, spill=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, f"no room for the large tensors of this message in "
+                                        f"{os.path.dirname(self.prefix)} nor in {spill_dir()}; free space there, "
+                                        f"or point {SHM_DIR_ENV} at a larger directory") from exc
+
+    def probe(self, obj) -> bytes | None:
+        """Pickle ``obj`` without creating files: its bytes, or ``None`` if it holds a tensor that needs a file.
+
+        Raises what :meth:`dumps` raises for what cannot be pickled, at the
+        cost of pickling, not of copying the large tensors.
+        """
         buf = io.BytesIO()
-        pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private)
+        pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, probe=True)
+        pickler.dump(obj)
+        return None if pickler.needs_files else buf.getvalue()
+
+    def _dump(self, obj, spill: bool = False) -> tuple[bytes, list[str]]:
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill)
         try:
             pickler.dump(obj)
         except BaseException:
@@ -136,12 +189,75 @@ def remove_files(paths) -> None:
             pass
 
 
+def shm_dir() -> str | None:
+    """The directory for large tensors: ``$NN_HANDLER_SHM_DIR``, else ``/dev/shm`` (``None``: none, use the pipe)."""
+    if not _shm_dir:
+        path = os.environ.get(SHM_DIR_ENV)
+        if path and not os.path.isdir(path):
+            raise ValueError(f"{SHM_DIR_ENV}={path} is not a directory; create it (a tmpfs is fastest) or unset "
+                             f"{SHM_DIR_ENV} to use /dev/shm")
+        _shm_dir.append(os.path.abspath(path) if path else "/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return _shm_dir[0]
+
+
+def spill_dir() -> str:
+    """Where a tensor goes that does not fit in :func:`shm_dir`."""
+    return tempfile.gettempdir()
+
+
 def shm_prefix(tag: str) -> str | None:
-    """A file-name prefix under ``/dev/shm`` for one sender (``None`` where there is no /dev/shm)."""
-    return f"{SHM_DIR}/nnh-{tag}-" if SHM_DIR else None
+    """A file-name prefix under :func:`shm_dir` for one sender (``None`` where there is no such directory)."""
+    directory = shm_dir()
+    return f"{directory}/nnh-{tag}-" if directory else None
+
+
+def _create(prefix: str, number: int, nbytes: int, *, spill: bool) -> tuple[str, int]:
+    """Create the file for one tensor: in the prefix's directory if it has room, else in :func:`spill_dir`."""
+    directory, name = os.path.split(prefix)
+    if not spill:
+        st = os.statvfs(directory)
+        spill = st.f_bavail * st.f_frsize < nbytes  # a write that is bound to fail costs a copy: skip it
+        if spill:
+            _warn_spill(directory)
+    if spill:
+        directory = spill_dir()
+        _seen_dirs.add(directory)
+    path = f"{directory}/{name}{number}"
+    with _create_lock:
+        return path, os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+
+
+def _warn_spill(directory: str) -> None:
+    global _spill_warned
+    if _spill_warned:
+        return
+    _spill_warned = True
+    try:
+        st = os.statvfs(directory)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB"
+    except OSError:
+        free = "size unknown"
+    warnings.warn(
+        f"{directory} ({free}) is too small for the large tensors sent to and from workers; those that do not fit "
+        f"go through files under {spill_dir()} instead, which is slower. In Docker, start the container with "
+        f"--shm-size=8g (or --ipc=host), or set {SHM_DIR_ENV} to a larger tmpfs.",
+        RuntimeWarning, stacklevel=2)
 
 
 def remove_prefixed(prefix: str | None) -> None:
-    """Remove every file left under ``prefix`` (a sender died before its reader unlinked)."""
+    """Remove every file left under ``prefix``, spilled ones too (a sender died before its reader unlinked)."""
     if prefix:
-        remove_files(glob.glob(glob.escape(prefix) + "*"))
+        directory, name = os.path.split(prefix)
+        for d in {directory, spill_dir()}:
+            remove_files(glob.glob(os.path.join(glob.escape(d), glob.escape(name) + "*")))
+
+
+def remove_process_files(pid: int, *, final: bool = False) -> None:
+    """Remove every file made for the caller ``pid`` (it died: nobody else will).
+
+    ``final``: this process is about to exit; no file is created after this.
+    """
+    if final:
+        _create_lock.acquire()  # never released: the process ends
+    for directory in _seen_dirs | {spill_dir()}:
+        remove_files(glob.glob(os.path.join(glob.escape(directory), f"nnh-{pid}-*")))

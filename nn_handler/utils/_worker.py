@@ -59,37 +59,42 @@ def worker_index() -> int | None:
 # recv() learns of the caller's death from EOF at once; this catches the
 # worker that is busy computing when the caller is killed.
 _WATCHDOG_PERIOD = 0.5
-_HAVE_PROC = os.path.isdir("/proc/self")  # Linux; elsewhere a signal tells if the caller exists
 
 
 def _watch_parent(parent_pid: int) -> None:
-    while True:
+    # However this worker ends (EOF from a dead caller, a broken pipe while it
+    # replied), the files its caller left in shared memory go with it: a caller
+    # killed by a signal cleans nothing, and nobody else knows these names.
+    from multiprocessing import util
+
+    util.Finalize(None, _clean_if_orphaned, args=(parent_pid,), exitpriority=0)
+    while _parent_alive(parent_pid):
         time.sleep(_WATCHDOG_PERIOD)
-        if _is_gone(parent_pid):
-            os._exit(1)  # nobody is left to read our results
+    _transport.remove_process_files(parent_pid, final=True)
+    os._exit(1)  # nobody is left to read our results
 
 
-def _is_gone(pid: int) -> bool:
-    """Whether ``pid`` has exited, also while it is a zombie that its own parent has not reaped yet.
+def _clean_if_orphaned(parent_pid: int) -> None:
+    if not _parent_alive(parent_pid):
+        _transport.remove_process_files(parent_pid)
 
-    Signalling a zombie succeeds, so os.kill(pid, 0) alone would keep a busy
-    worker running (at 100% CPU) for as long as nobody reaps its dead caller.
-    """
-    if _HAVE_PROC:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-        except FileNotFoundError:
-            return True
-        except OSError:
-            pass
+
+def _parent_alive(pid: int) -> bool:
+    """False once ``pid`` has exited or is exiting (its pipe ends close before it becomes a zombie)."""
     try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        PF_EXITING = 0x4
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
+    except OSError:
+        pass
+    try:  # gone, or no /proc here: ask the kernel (it counts a zombie as alive)
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return False
     except PermissionError:
         pass
-    return False
+    return True
 
 
 def describe(exc: BaseException) -> str:

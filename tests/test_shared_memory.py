@@ -1,0 +1,234 @@
+"""Large tensors travel through files in /dev/shm: none outlives its call or its process, and a full /dev/shm
+is not an error.
+
+Each test lists the files it cares about (``nnh-<pid>-*``, pid of the process that made them) before and after.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from helpers import run_command
+from nn_handler import ParallelExecutor, WorkerDiedError
+
+CPU2 = ["cpu", "cpu"]
+
+
+def _files(pid: int, *dirs: str) -> list[str]:
+    """The transport files of process ``pid`` in ``dirs`` (default /dev/shm)."""
+    return sorted(f for d in (dirs or ("/dev/shm",)) for f in glob.glob(f"{d}/nnh-{pid}-*"))
+
+
+def _pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def tiny_shm(tmp_path):
+    """An 8 MiB tmpfs (Docker gives 64 MiB by default) and an empty directory for what does not fit."""
+    mount = tmp_path / "shm"
+    spill = tmp_path / "spill"
+    mount.mkdir()
+    spill.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield str(mount), str(spill)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+# ----------------------------------------------------------------------------- the caller is killed
+_KILLED_CALLER = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from nn_handler import ParallelExecutor
+
+    def hold(x, device):
+        time.sleep(300)
+
+    def big_result(caller, device):
+        time.sleep(2)  # the caller has sent the call to both workers
+        os.kill(caller, signal.SIGSTOP)  # and now cannot read what follows: the test kills it first
+        return torch.ones(8 << 20)  # 32 MiB
+
+    if __name__ == "__main__":
+        with ParallelExecutor(device_ids=['cpu', 'cpu']) as ex:
+            print('PIDS', *ex.run(lambda device: os.getpid()), flush=True)
+            if sys.argv[1] == 'arg':
+                ex.run(hold, torch.ones(8 << 20))  # 32 MiB argument, kept in a file while the call runs
+            else:
+                ex.run(big_result, os.getpid())
+                time.sleep(300)
+""")
+
+BIG = 32 << 20
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("what, sig, small_shm", [
+    ("arg", signal.SIGKILL, False),
+    ("arg", signal.SIGTERM, False),
+    ("result", signal.SIGKILL, False),
+    ("result", signal.SIGTERM, False),
+    ("arg", signal.SIGKILL, True),  # the argument went to the fallback directory
+], ids=["arg-sigkill", "arg-sigterm", "result-sigkill", "result-sigterm", "spilled-arg-sigkill"])
+def test_killed_caller_leaves_no_files(tmp_path, request, what, sig, small_shm):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    dirs = ["/dev/shm"]
+    if small_shm:
+        mount, spill = request.getfixturevalue("tiny_shm")
+        env.update(NN_HANDLER_SHM_DIR=mount, TMPDIR=spill)
+        dirs = [mount, spill]
+    script = tmp_path / "caller.py"
+    script.write_text(_KILLED_CALLER)
+    proc = subprocess.Popen([sys.executable, str(script), what], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line + proc.stdout.read() if proc.poll() is not None else line
+        workers = [int(p) for p in line.split()[1:]]
+
+        def written():  # every file this call makes exists with its full size
+            files = _files(proc.pid, *dirs)
+            full = [f for f in files if os.path.exists(f) and os.stat(f).st_size == BIG]
+            return files if len(full) == (1 if what == "arg" else 2) else None
+
+        before = _wait_for(written, 60, f"the {what} files of the caller")
+        if small_shm:
+            assert all(f.startswith(dirs[1]) for f in before), before
+        proc.send_signal(sig)
+        if sig != signal.SIGKILL:
+            os.kill(proc.pid, signal.SIGCONT)  # a stopped caller acts on SIGTERM once continued
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while (_files(proc.pid, *dirs) or _pids_alive(workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _files(proc.pid, *dirs) == [], f"{before} outlived the caller"
+        assert not _pids_alive(workers), f"workers {workers} outlived their caller"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+        for f in _files(proc.pid, *dirs):
+            os.unlink(f)
+
+
+# ----------------------------------------------------------------------------- a failed call's late replies
+def test_large_late_reply_of_a_failed_call_is_removed():
+    def one_dies_other_replies(victim, device):
+        if os.getpid() == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(1)  # the caller has raised before this reply arrives
+        return torch.ones(4 << 20)  # 16 MiB: through shared memory
+
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        assert _files(os.getpid()) == []
+        for _ in range(2):
+            victim = ex.run(lambda device: os.getpid())[0]
+            with pytest.raises(WorkerDiedError):
+                ex.run(one_dies_other_replies, victim)
+            assert ex.run(lambda device: "next") == ["next", "next"]  # reads and discards the late reply
+            assert _files(os.getpid()) == []
+    assert _files(os.getpid()) == []
+
+
+# ----------------------------------------------------------------------------- a small /dev/shm
+_SMALL_SHM_CALLER = textwrap.dedent("""
+    import os, torch
+    from nn_handler import ParallelExecutor
+
+    def double(x, device):
+        return x * 2
+
+    if __name__ == "__main__":
+        big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB: more than the whole 8 MiB tmpfs
+        mid = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB: fits, until the two results join it
+        with ParallelExecutor(device_ids=['cpu', 'cpu']) as ex:
+            for x in (big, mid, big):
+                assert all(torch.equal(r, x * 2) for r in ex.run(double, x))
+            assert all(torch.equal(r, x * 2) for r, x in zip(ex.map(double, [big, mid, big + 1]), [big, mid, big + 1]))
+        print('DONE', os.getpid())
+""")
+
+
+@pytest.mark.timeout(150)
+def test_small_shm_falls_back_to_the_temp_dir_with_one_warning_per_process(tiny_shm, tmp_path):
+    mount, spill = tiny_shm
+    script = tmp_path / "caller.py"
+    script.write_text(_SMALL_SHM_CALLER)
+    result = run_command([sys.executable, str(script)], timeout=120,
+                         env={"NN_HANDLER_SHM_DIR": mount, "TMPDIR": spill})
+    assert result.returncode == 0, result.stdout
+    assert "DONE" in result.stdout, result.stdout
+    # the caller (arguments) and each of the two workers (results) warn once, however often they spill
+    assert result.stdout.count("--shm-size") == 3, result.stdout
+    assert "NN_HANDLER_SHM_DIR" in result.stdout
+    pid = int(result.stdout.split("DONE")[1].split()[0])
+    assert _files(pid, mount, spill) == []
+    assert os.listdir(mount) == [] and os.listdir(spill) == []
+
+
+def test_shm_dir_that_is_not_a_directory_is_a_clear_error(tmp_path):
+    code = ("from nn_handler import ParallelExecutor\n"
+            "ParallelExecutor(device_ids=['cpu'])\n")
+    result = run_command([sys.executable, "-c", code], timeout=60,
+                         env={"NN_HANDLER_SHM_DIR": str(tmp_path / "missing")})
+    assert result.returncode != 0
+    assert f"NN_HANDLER_SHM_DIR={tmp_path / 'missing'} is not a directory" in result.stdout, result.stdout
+
+
+# ----------------------------------------------------------------------------- map streams its items
+def test_map_keeps_a_few_chunks_per_worker_in_shared_memory_whatever_the_input_size():
+    caller = os.getpid()
+    item = torch.ones(1 << 21)  # 8 MiB
+    n = 100
+
+    def peak(x, device):  # what this caller has in shared memory while the item runs
+        sizes = []
+        for f in glob.glob(f"/dev/shm/nnh-{caller}-*"):
+            try:
+                sizes.append(os.stat(f).st_size)
+            except FileNotFoundError:
+                pass
+        return x[0], len(sizes), sum(sizes)
+
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        out = ex.map(peak, [(i, item) for i in range(n)])
+    assert [i for i, _, _ in out] == list(range(n))
+    peak_count = max(c for _, c, _ in out)
+    peak_bytes = max(b for _, _, b in out)
+    # two workers, each with at most its own chunk, its next one and one being written: 6 chunks of 8 MiB
+    assert peak_count <= 6 and peak_bytes <= 6 * item.nbytes, (peak_count, peak_bytes)
+    assert _files(caller) == []
