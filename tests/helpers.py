@@ -47,3 +47,24 @@ def parse_results(output: str) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("rank", 0))
 
 
+
+# A sitecustomize that makes the optional packages unimportable, as on a
+# machine with only ``pip install torch -e .``: every process started with
+# this PYTHONPATH (spawned workers and ranks too) runs it first.
+_NO_EXTRAS_SITECUSTOMIZE = '''\
+import sys
+
+# None in sys.modules: `import numpy` raises ModuleNotFoundError and
+# importlib.util.find_spec("numpy") returns None, as when it is not installed.
+for name in ("numpy", "matplotlib"):
+    sys.modules[name] = None
+'''
+
+
+def without_extras_env(tmp_path: Path) -> dict:
+    """Environment for a subprocess where numpy and matplotlib cannot be imported (nor in its children)."""
+    site = tmp_path / "no_extras_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_NO_EXTRAS_SITECUSTOMIZE)
+    path = [str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}

@@ -145,12 +145,12 @@ def gather(side: SideGroup, obj) -> list:
 
 def broadcast_bytes(side: SideGroup, data: bytes, size: int, src: int) -> bytes:
     """Send ``data`` (``size`` bytes, known to every rank) from ``src`` to every rank."""
-    if side.rank == src:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(size, dtype=torch.uint8)
-    dist.broadcast(buffer, src=src, group=side.group)
-    return data if side.rank == src else buffer.numpy().tobytes()
+    # The tensor is a view of a bytearray, so the bytes come out through
+    # Python itself (Tensor.numpy() would need numpy, not a dependency).
+    buffer = bytearray(data) if side.rank == src else bytearray(size)
+    if size:  # frombuffer refuses an empty buffer
+        dist.broadcast(torch.frombuffer(buffer, dtype=torch.uint8), src=src, group=side.group)
+    return data if side.rank == src else bytes(buffer)
 
 
 def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None:
