@@ -267,6 +267,9 @@ def test_readme_commands_match_ci():
     assert main_command.endswith(".venv/bin/python examples/quickstart.py")  # the flagship example
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert test_command in ci, ".ci/run must run exactly the README's test command"
+    assert ".ci/newcomer" in ci, ".ci/run must run the newcomer's path"
+    newcomer = (REPO / ".ci" / "newcomer").read_text().splitlines()
+    assert main_command in newcomer, ".ci/newcomer must run exactly the README's main command"
 
 
 def test_docs_index_lists_every_page():
