@@ -18,16 +18,21 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """Run a launcher command in its own process group; on timeout kill the whole group and fail."""
+def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """Run a launcher command in its own process group; on timeout kill the whole group and fail.
+
+    ``input`` is fed to its stdin (a script for ``python -``).
+    """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     for name in LAUNCH_VARS:  # the test process's own variables must not leak into the job
         if env is None or name not in env:
             full_env.pop(name, None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            cwd=cwd or REPO, start_new_session=True)
+                            cwd=cwd or REPO, start_new_session=True,
+                            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()

@@ -35,7 +35,7 @@ from multiprocessing.connection import wait
 
 from ..errors import ParallelExecutionError, RankFailure, WorkerDiedError, describe_exit
 from . import _transport
-from ._worker import guard_against_bootstrap, worker_main
+from ._worker import guard_against_bootstrap, main_module_hidden, worker_main
 
 _pool_ids = itertools.count()
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -124,7 +124,8 @@ class WorkerPool:
                     name=f"nn_handler-worker-{slot.index}",
                     daemon=True,
                 )
-                slot.process.start()
+                with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+                    slot.process.start()
                 child_conn.close()  # only the child holds its end: EOF once it dies
                 slot.conn = parent_conn
                 slot.owes = slot.has_fn_for = None
