@@ -52,8 +52,30 @@ SCRIPT = textwrap.dedent('''
         return out["from"], out["t"].tolist(), float(out["big"].sum()), numpy_importable()
 
 
-    def handler():
-        return NNHandler(nn.Linear(2, 1), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1}, seed=0)
+    def handler(**kwargs):
+        return NNHandler(nn.Linear(2, 1), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1}, seed=0,
+                         **kwargs)
+
+
+    def ddp_body(rank, run_dir):
+        # What rides on torch's object collectives elsewhere: every one of them
+        # reads its bytes with Tensor.numpy() (torch 2.13).
+        @on_rank(0)
+        def fail():
+            raise ValueError("planned failure on rank 0")
+        try:
+            fail()
+            message = "no error"
+        except Exception as exc:  # the failure records travel to every rank
+            message = str(exc)
+        epochs = []
+        for _ in range(2):  # resume="auto": rank 0's choice of checkpoint goes to every rank
+            with handler(checkpoint_dir=run_dir, resume="auto") as h:
+                h.set_train_loader((torch.randn(16, 2), torch.randn(16, 1)), batch_size=4)
+                h.train(len(epochs) + 1, progress=False)  # a checkpoint per epoch: every rank's RNG state
+                epochs.append(h.epoch)
+                predicted = h.predict(torch.randn(10, 2), batch_size=4)  # every rank's part, gathered
+        return "planned failure on rank 0" in message and "Numpy" not in message, epochs, tuple(predicted.shape)
 
 
     if __name__ == "__main__":
@@ -65,8 +87,14 @@ SCRIPT = textwrap.dedent('''
             assert torch.equal(small, SMALL * 2) and torch.equal(large, LARGE * 2)
         print("ok executor small and large tensors both ways")
 
-        assert run_distributed(body, nprocs=2, timeout=120) == [(0, [10, 11, 12], float(1 << 18), False)] * 2
+        got = run_distributed(body, nprocs=2, timeout=120)
+        assert got == [(0, [10, 11, 12], float(1 << 18), False)] * 2, got
         print("ok on_rank broadcast_result on 2 gloo ranks")
+
+        run_dir = os.path.join(sys.argv[1], "ddp")
+        got = run_distributed(ddp_body, nprocs=2, args=(run_dir,), timeout=150)
+        assert got == [(True, [1, 2], (10, 1))] * 2, got
+        print("ok on_rank failure, checkpoints, resume and predict on 2 gloo ranks")
 
         h = handler()
         h.set_train_loader((torch.randn(8, 2), torch.randn(8, 1)), batch_size=4)
@@ -108,6 +136,7 @@ def test_hot_paths_work_without_numpy_and_matplotlib(tmp_path):
                          timeout=DEADLINE, env=without_extras_env(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:]
     for line in ("ok executor small and large tensors both ways", "ok on_rank broadcast_result on 2 gloo ranks",
+                 "ok on_rank failure, checkpoints, resume and predict on 2 gloo ranks",
                  "ok checkpoint save and load with RNG state", "ok checkpoint with numpy RNG state loaded",
                  "ok plot_history names the plot extra"):
         assert line in result.stdout, result.stdout[-4000:]
