@@ -9,6 +9,7 @@ ranks are fresh interpreters that run ``sitecustomize`` too).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
 
@@ -107,9 +108,10 @@ SCRIPT = textwrap.dedent('''
         assert torch.equal(torch.rand(3), expected)  # the RNG state came back
         print("ok checkpoint save and load with RNG state")
 
-        h3 = handler()  # written where numpy was installed: its numpy RNG state is skipped here
-        assert h3.load_checkpoint(os.path.join(sys.argv[1], "with_numpy.ckpt")) == 1
-        print("ok checkpoint with numpy RNG state loaded")
+        with_numpy = os.path.join(sys.argv[1], "with_numpy.ckpt")
+        if os.path.exists(with_numpy):  # written where numpy was installed: its numpy RNG state is skipped here
+            assert handler().load_checkpoint(with_numpy) == 1
+            print("ok checkpoint with numpy RNG state loaded")
 
         try:
             h.plot_history(os.path.join(sys.argv[1], "loss.png"))
@@ -120,25 +122,26 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_hot_paths_work_without_numpy_and_matplotlib(tmp_path):
-    pytest.importorskip("numpy")  # to write the checkpoint that carries numpy's RNG state
     from nn_handler import NNHandler
 
-    with NNHandler(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
-                   seed=0) as h:
-        h.set_train_loader((torch.randn(8, 2), torch.randn(8, 1)), batch_size=4)
-        h.train(1, progress=False)
-        h.save_checkpoint(tmp_path / "with_numpy.ckpt")
-    assert "numpy" in torch.load(tmp_path / "with_numpy.ckpt", weights_only=True)["rng"][0]
+    expected = ["ok executor small and large tensors both ways", "ok on_rank broadcast_result on 2 gloo ranks",
+                "ok on_rank failure, checkpoints, resume and predict on 2 gloo ranks",
+                "ok checkpoint save and load with RNG state", "ok plot_history names the plot extra"]
+    if importlib.util.find_spec("numpy") is not None:  # a checkpoint that carries numpy's RNG state
+        with NNHandler(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
+                       seed=0) as h:
+            h.set_train_loader((torch.randn(8, 2), torch.randn(8, 1)), batch_size=4)
+            h.train(1, progress=False)
+            h.save_checkpoint(tmp_path / "with_numpy.ckpt")
+        assert "numpy" in torch.load(tmp_path / "with_numpy.ckpt", weights_only=True)["rng"][0]
+        expected.append("ok checkpoint with numpy RNG state loaded")
 
     script = tmp_path / "fresh.py"
     script.write_text(SCRIPT)
     result = run_command([sys.executable, str(script), str(tmp_path)],
                          timeout=DEADLINE, env=without_extras_env(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:]
-    for line in ("ok executor small and large tensors both ways", "ok on_rank broadcast_result on 2 gloo ranks",
-                 "ok on_rank failure, checkpoints, resume and predict on 2 gloo ranks",
-                 "ok checkpoint save and load with RNG state", "ok checkpoint with numpy RNG state loaded",
-                 "ok plot_history names the plot extra"):
+    for line in expected:
         assert line in result.stdout, result.stdout[-4000:]
 
 
