@@ -3,7 +3,9 @@
     python examples/matrix_multiply.py --size 2000 --iterations 20   # the seed's sizes
     python examples/matrix_multiply.py --size 128 --iterations 3     # quick, on CPU
 
-Each device multiplies its own random matrices and returns a NumPy array.
+Each device multiplies its own random matrices and returns the result as a CPU
+tensor (the seed returned a NumPy array; ``.numpy()`` on the tensor gives one
+where numpy is installed, which nn_handler does not need).
 """
 
 import argparse
@@ -27,7 +29,7 @@ def matrix_multiply(device, size=1000, iterations=10):
     if a.is_cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    return a.cpu().numpy(), seconds
+    return a.cpu(), seconds
 
 
 def main():
@@ -39,9 +41,9 @@ def main():
     start = time.perf_counter()
     results = matrix_multiply(size=args.size, iterations=args.iterations)
     print(f"Received {len(results)} results, one from each device")
-    for i, (array, seconds) in enumerate(results):
+    for i, (matrix, seconds) in enumerate(results):
         gflops = 2 * args.size**3 * args.iterations / seconds / 1e9
-        print(f"  device {i}: {type(array).__name__} {array.shape}, {seconds:.3f} s, {gflops:.1f} GFLOP/s")
+        print(f"  device {i}: {type(matrix).__name__} {tuple(matrix.shape)}, {seconds:.3f} s, {gflops:.1f} GFLOP/s")
     print(f"total {time.perf_counter() - start:.2f} s (including worker start-up)")
     matrix_multiply.shutdown()
 

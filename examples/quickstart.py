@@ -58,9 +58,11 @@ def in_every_rank(out_dir):
     path = write_summary()  # the same path on every rank
     with open(path) as f:
         summary = json.load(f)
-    seen = [None] * world
-    dist.all_gather_object(seen, {"rank": rank, "pid": os.getpid(), "read": summary["written_by_pid"]})
-    return seen
+    # A tensor, not all_gather_object: torch's object collectives need numpy,
+    # which neither torch nor nn_handler installs.
+    seen = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(seen, torch.tensor([rank, os.getpid(), summary["written_by_pid"]]))
+    return [dict(zip(("rank", "pid", "read"), t.tolist())) for t in seen]
 
 
 def main():

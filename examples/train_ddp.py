@@ -6,13 +6,15 @@
 
 A small regression model on synthetic data; validation, a metric, early
 stopping, a checkpoint every epoch, a CSV log and, at the end, a loss-curve
-PNG from ``plot_history`` (needs matplotlib: ``pip install 'nn_handler[plot]'``).
+PNG from ``plot_history`` when matplotlib is installed (``pip install
+'nn_handler[plot]'``; without it the PNG is skipped, with one line saying so).
 The History is the same on every rank (losses are averaged over all ranks,
 weighted by sample count), and a run under torchrun gives the same numbers as
 one started with ``NNHandler.launch``.
 """
 
 import argparse
+import importlib.util
 import os
 import time
 
@@ -61,18 +63,23 @@ def main():
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    plot = not args.no_plot
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        plot = False
+        if detect_launch_env().rank == 0:  # one line, not one per rank
+            print("no loss_curve.png: matplotlib is not installed (pip install 'nn_handler[plot]')")
 
     start = time.perf_counter()
     if detect_launch_env().launcher != "none":  # torchrun/srun/mpirun started every rank: train here
-        result = train(args.out, args.epochs, args.samples, not args.no_plot)
+        result = train(args.out, args.epochs, args.samples, plot)
         how = detect_launch_env().launcher
         cleanup_ddp()  # leave the launcher's process group the handler joined
     elif args.nprocs > 1:  # start a local group of nprocs processes and train in each
-        result = NNHandler.launch(train, args.out, args.epochs, args.samples, not args.no_plot,
+        result = NNHandler.launch(train, args.out, args.epochs, args.samples, plot,
                                   nprocs=args.nprocs)
         how = "NNHandler.launch"
     else:
-        result = train(args.out, args.epochs, args.samples, not args.no_plot)
+        result = train(args.out, args.epochs, args.samples, plot)
         how = "one process"
     if result["rank"] == 0:
         losses = ", ".join(f"{v:.4f}" for v in result["val_loss"])

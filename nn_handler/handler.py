@@ -66,7 +66,7 @@ from .checkpoint import (
 )
 from .errors import CheckpointError, CheckpointMismatchError, ConfigurationError, NonFiniteLossError
 from .history import History
-from .utils._collectives import side_group
+from .utils._collectives import broadcast_object, gather, side_group
 from .utils.ddp import (
     cleanup_ddp,
     get_rank,
@@ -925,8 +925,7 @@ class NNHandler:
         indices = list(iter(sampler))
         count = real if real is not None else len(indices)
         part = (indices[:count], local[:count] if local is not None else None)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, part)
+        parts = gather(side_group(), part)  # not all_gather_object: it needs numpy
         return _assemble(parts, len(sampler.dataset))
 
     def _predict_data_parallel(self, data: Any, batch_size: int | None, device_ids) -> torch.Tensor:
@@ -1012,8 +1011,7 @@ class NNHandler:
         if self.distributed and is_distributed():
             # Each rank resumes with its own random streams, and mid-epoch with
             # its own shard's losses so far.
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, mine)
+            everyone = gather(side_group(), mine)  # not all_gather_object: it needs numpy
         payload = self.state_dict([rng for rng, _ in everyone])
         payload["run"]["seq"] = seq
         payload["stopped"] = bool(stopped)
@@ -1040,9 +1038,7 @@ class NNHandler:
     def _broadcast_from_main(self, obj: Any) -> Any:
         if not (self.distributed and is_distributed()):
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=side_group().group)
-        return box[0]
+        return broadcast_object(side_group(), obj, src=0)  # not broadcast_object_list: it needs numpy
 
     def _start_run(self) -> None:
         """Before the first epoch: load what ``resume`` names, and claim ``checkpoint_dir`` for this run.

@@ -92,6 +92,9 @@ def run_distributed(
 ) -> list:
     """Run ``fn(rank, *args)`` on ``nprocs`` spawned processes forming one process group.
 
+    The ranks run ``fn`` only: they do not re-run the calling script's
+    top-level code, so a script's prints appear once.
+
     Args:
         fn: The body; it may be a lambda or closure (it travels with cloudpickle).
         nprocs: Number of ranks.
@@ -114,6 +117,7 @@ def run_distributed(
     Raises:
         DistributedTimeoutError: A rank did not finish in time.
     """
+    from nn_handler.utils._worker import main_module_hidden
     from nn_handler.utils.ddp import find_free_port
 
     payload = cloudpickle.dumps((fn, tuple(args)))
@@ -139,7 +143,8 @@ def run_distributed(
                 name=f"nn_handler-test-rank{rank}",
                 daemon=True,
             )
-            p.start()
+            with main_module_hidden():  # fn travels by value: the ranks need not re-run the script
+                p.start()
             writer.close()  # the child holds the only writer: EOF when it dies
             procs.append(p)
             readers.append(reader)

@@ -18,16 +18,21 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """Run a launcher command in its own process group; on timeout kill the whole group and fail."""
+def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """Run a launcher command in its own process group; on timeout kill the whole group and fail.
+
+    ``input`` is fed to its stdin (a script for ``python -``).
+    """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     for name in LAUNCH_VARS:  # the test process's own variables must not leak into the job
         if env is None or name not in env:
             full_env.pop(name, None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            cwd=cwd or REPO, start_new_session=True)
+                            cwd=cwd or REPO, start_new_session=True,
+                            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
@@ -47,3 +52,24 @@ def parse_results(output: str) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("rank", 0))
 
 
+
+# A sitecustomize that makes the optional packages unimportable, as on a
+# machine with only ``pip install torch -e .``: every process started with
+# this PYTHONPATH (spawned workers and ranks too) runs it first.
+_NO_EXTRAS_SITECUSTOMIZE = '''\
+import sys
+
+# None in sys.modules: `import numpy` raises ModuleNotFoundError and
+# importlib.util.find_spec("numpy") returns None, as when it is not installed.
+for name in ("numpy", "matplotlib"):
+    sys.modules[name] = None
+'''
+
+
+def without_extras_env(tmp_path: Path) -> dict:
+    """Environment for a subprocess where numpy and matplotlib cannot be imported (nor in its children)."""
+    site = tmp_path / "no_extras_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_NO_EXTRAS_SITECUSTOMIZE)
+    path = [str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}

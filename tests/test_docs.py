@@ -267,6 +267,24 @@ def test_readme_commands_match_ci():
     assert main_command.endswith(".venv/bin/python examples/quickstart.py")  # the flagship example
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert test_command in ci, ".ci/run must run exactly the README's test command"
+    assert ".ci/newcomer" in ci, ".ci/run must run the newcomer's path"
+    newcomer = (REPO / ".ci" / "newcomer").read_text().splitlines()
+    assert main_command in newcomer, ".ci/newcomer must run exactly the README's main command"
+
+
+def test_readme_taste_as_a_script_prints_each_line_once(tmp_path):
+    # Copied into a file and run with python: the ranks of run_distributed are
+    # spawned processes, which must not re-run the script's top-level prints.
+    readme = REPO / "README.md"
+    start = readme.read_text().splitlines().index("## A taste") + 1
+    taste = next(b for b in extract_blocks(readme) if b.lang == "python" and b.line > start)
+    script = tmp_path / "taste.py"
+    script.write_text(taste.code)
+    result = run_command([sys.executable, str(script)], timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines.count("False 0 1 cpu") == 1 and lines.count("[3, 3]") == 1, result.stdout
+    assert len(lines) == len(set(lines)), result.stdout  # the device line and its warning once too
 
 
 def test_docs_index_lists_every_page():

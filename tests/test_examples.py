@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, run_command
+from helpers import REPO, run_command, without_extras_env
 from nn_handler.utils.ddp import find_free_port
 
 # Below the pytest-timeout backstop, so that a hang names the command and shows its output.
@@ -19,14 +19,14 @@ EXAMPLES = REPO / "examples"
 CPU_ONLY = not torch.cuda.is_available()
 
 
-def run_example(name: str, *args: str, torchrun: bool = False):
+def run_example(name: str, *args: str, torchrun: bool = False, env: dict | None = None):
     script = str(EXAMPLES / name)
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={find_free_port()}", script, *args]
     else:
         cmd = [sys.executable, script, *args]
-    result = run_command(cmd, timeout=DEADLINE)
+    result = run_command(cmd, timeout=DEADLINE, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
 
@@ -68,7 +68,12 @@ def test_matrix_multiply():
     out = run_example("matrix_multiply.py", "--size", "64", "--iterations", "2")
     n = int(re.search(r"Received (\d+) results, one from each device", out).group(1))
     assert n == (2 if CPU_ONLY else torch.cuda.device_count())
-    assert len(re.findall(r"device \d: ndarray \(64, 64\)", out)) == n
+    assert len(re.findall(r"device \d: Tensor \(64, 64\)", out)) == n
+
+
+def test_matrix_multiply_without_numpy(tmp_path):
+    out = run_example("matrix_multiply.py", "--size", "32", "--iterations", "1", env=without_extras_env(tmp_path))
+    assert re.search(r"device 0: Tensor \(32, 32\)", out), out
 
 
 def test_executor_context():
@@ -113,6 +118,14 @@ def test_train_ddp_with_launch_and_under_torchrun_agree(tmp_path):
         assert (out_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert len((out_dir / "history.csv").read_text().splitlines()) == 1 + 3
         assert sorted(p.name for p in (out_dir / "ckpt").iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+def test_train_ddp_without_matplotlib_skips_the_plot_in_one_line(tmp_path):
+    out = run_example("train_ddp.py", "--out", str(tmp_path / "run"), "--epochs", "2", "--samples", "64",
+                      "--nprocs", "1", env=without_extras_env(tmp_path))
+    assert out.count("matplotlib") == 1, out
+    assert "no loss_curve.png: matplotlib is not installed (pip install 'nn_handler[plot]')" in out
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt", "history.csv", "model.pt"]
 
 
 def test_predict():

@@ -861,6 +861,42 @@ def test_missing_main_guard_gets_the_snippet(tmp_path):
     assert 'if __name__ == "__main__":' in result.stdout
 
 
+def test_script_fed_on_stdin_starts_its_workers(tmp_path):
+    # `python - < train.py`: __main__.__file__ is "<stdin>", a file the workers
+    # cannot import, and need not: functions travel by value. No guard needed.
+    code = textwrap.dedent("""
+        import torch
+        from nn_handler import ParallelExecutor, parallelize_on_gpus
+
+        @parallelize_on_gpus(device_ids=['cpu', 'cpu'])
+        def where(device):
+            return str(device)
+
+        def double(x, device):
+            return x * 2
+
+        with ParallelExecutor(device_ids=['cpu', 'cpu']) as ex:
+            print('MAP', ex.map(double, [1, 2, 3]), ex.run(double, torch.ones(1 << 19))[1].sum().item())
+        print('WHERE', where())
+        where.shutdown()
+    """)
+    result = run_command([sys.executable, "-"], input=code, timeout=90, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    assert "MAP [2, 4, 6] 1048576.0" in result.stdout and "WHERE ['cpu', 'cpu']" in result.stdout, result.stdout
+
+
+def test_main_module_hidden_restores_the_main_module():
+    from nn_handler.utils._worker import main_module_hidden
+
+    main = sys.modules["__main__"]
+    before = (getattr(main, "__file__", None), main.__spec__)
+    with main_module_hidden():
+        assert getattr(main, "__file__", None) is None and main.__spec__ is None
+    assert (getattr(main, "__file__", None), main.__spec__) == before
+    with main_module_hidden(always=False):  # pytest's main is a real file or module: left alone
+        assert (getattr(main, "__file__", None), main.__spec__) == before
+
+
 # ----------------------------------------------------------------------------- real GPUs
 @pytest.mark.gpu
 def test_workers_are_pinned_to_their_gpu_and_results_come_back_on_cpu():

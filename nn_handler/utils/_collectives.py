@@ -9,12 +9,18 @@ every rank makes that first call, so every rank creates it at the same point.
 
 One status exchange is one ``all_reduce`` of two int64 values:
 ``(number of ranks that failed, size of the pickled result to broadcast)``.
-Only when a rank failed does a second round (``all_gather_object``) carry the
+Only when a rank failed does a second round (:func:`gather`) carry the
 failure records, so the happy path costs about one bare ``all_reduce``.
+
+Objects travel as pickled bytes in tensors that view a ``bytearray``, not
+through ``all_gather_object``/``broadcast_object_list``: torch reads their
+bytes with ``Tensor.numpy()``, which fails where numpy is not installed (it
+is no dependency of torch nor of nn_handler).
 """
 
 from __future__ import annotations
 
+import pickle
 import struct
 import threading
 import weakref
@@ -155,20 +161,35 @@ def exchange(side: SideGroup, failed: bool, payload_size: int = 0) -> tuple[int,
 
 
 def gather(side: SideGroup, obj) -> list:
-    """Every rank's ``obj`` (picklable), by rank. Only used on the failure path."""
-    out: list = [None] * side.size
-    dist.all_gather_object(out, obj, group=side.group)
-    return out
+    """Every rank's ``obj`` (picklable), by rank; ``dist.all_gather_object`` without numpy."""
+    data = pickle.dumps(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(side.size)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=side.group)
+    longest = max(int(n) for n in sizes)  # a pickle is never empty
+    buffers = [bytearray(longest) for _ in range(side.size)]
+    mine = bytearray(data) + bytearray(longest - len(data))  # gloo gathers equal sizes
+    dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in buffers],
+                    torch.frombuffer(mine, dtype=torch.uint8), group=side.group)
+    return [pickle.loads(b[:int(n)]) for b, n in zip(buffers, sizes)]
+
+
+def broadcast_object(side: SideGroup, obj, src: int = 0):
+    """``src``'s ``obj`` (picklable) on every rank; ``dist.broadcast_object_list`` without numpy."""
+    data = pickle.dumps(obj) if side.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=side.group)
+    data = broadcast_bytes(side, data, int(size), src)
+    return obj if side.rank == src else pickle.loads(data)
 
 
 def broadcast_bytes(side: SideGroup, data: bytes, size: int, src: int) -> bytes:
     """Send ``data`` (``size`` bytes, known to every rank) from ``src`` to every rank."""
-    if side.rank == src:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buffer = torch.empty(size, dtype=torch.uint8)
-    dist.broadcast(buffer, src=src, group=side.group)
-    return data if side.rank == src else buffer.numpy().tobytes()
+    # The tensor is a view of a bytearray, so the bytes come out through
+    # Python itself (Tensor.numpy() would need numpy, not a dependency).
+    buffer = bytearray(data) if side.rank == src else bytearray(size)
+    if size:  # frombuffer refuses an empty buffer
+        dist.broadcast(torch.frombuffer(buffer, dtype=torch.uint8), src=src, group=side.group)
+    return data if side.rank == src else bytes(buffer)
 
 
 def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None:

@@ -42,7 +42,7 @@ from multiprocessing.connection import wait
 
 from ..errors import ParallelExecutionError, RankFailure, WorkerDiedError, describe_exit
 from . import _transport
-from ._worker import describe, guard_against_bootstrap, worker_main
+from ._worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
 
 _pool_ids = itertools.count()
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -189,7 +189,8 @@ class WorkerPool:
         # not know of: it is delivered once the slot holds the process.
         with _sigint_deferred():
             try:
-                process.start()
+                with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+                    process.start()
             except BaseException:
                 parent_conn.close()
                 child_conn.close()

@@ -126,8 +126,9 @@ def print_gpu_memory_info() -> None:
 def _nvml_utilization(count: int) -> list[int | None]:
     """GPU utilisation in percent per CUDA index, ``None`` where NVML cannot tell."""
     try:
-        import pynvml  # from the optional nvidia-ml-py package
+        import pynvml  # from the optional nvidia-ml-py package: pip install 'nn_handler[gpu]'
     except ImportError:
+        log.debug("GPU utilisation unknown: nvidia-ml-py is not installed (pip install 'nn_handler[gpu]')")
         return [None] * count
     try:
         pynvml.nvmlInit()
@@ -170,7 +171,8 @@ def get_gpu_stats() -> dict[str, Any]:
         ``device``, ``name``, ``total_mb``, ``allocated_mb``, ``reserved_mb``
         and ``free_mb`` (total minus what this process reserved), plus
         ``utilization`` (percent) when the optional ``nvidia-ml-py`` package is
-        installed and NVML answers; otherwise that key is absent.
+        installed (``pip install 'nn_handler[gpu]'``) and NVML answers;
+        otherwise that key is absent.
 
     Example:
         >>> stats = get_gpu_stats()

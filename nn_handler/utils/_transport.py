@@ -20,6 +20,7 @@ named file outlives its writer, and its reader needs nobody.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import io
@@ -61,11 +62,22 @@ def _rebuild_small(data: bytes, dtype: torch.dtype, shape, requires_grad: bool):
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
+# Bytes out of a tensor without numpy (not a dependency: Tensor.numpy() fails
+# without it). A torch storage has no buffer interface and bytes() of one goes
+# element by element, so the raw memory is read through ctypes: string_at
+# copies (as fast as numpy's tobytes), PyMemoryView_FromMemory does not (a
+# ctypes array type would do too, but ctypes caches one type per length).
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.restype = ctypes.py_object
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PyBUF_READ = 0x100
+
+
 def _reduce_small(t: torch.Tensor):
     # torch's own pickling of a tensor runs torch.save on its storage, which
     # costs tens of microseconds per tensor; raw bytes cost a copy.
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return _rebuild_small, (raw.numpy().tobytes(), t.dtype, tuple(t.shape), t.requires_grad)
+    return _rebuild_small, (ctypes.string_at(raw.data_ptr(), raw.nbytes), t.dtype, tuple(t.shape), t.requires_grad)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -107,7 +119,8 @@ class _Pickler(cloudpickle.Pickler):
         try:
             # write() fills tmpfs at memcpy speed; copying through a fresh
             # mapping page-faults every 4 KiB and runs at about half of it.
-            view = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            view = _memory_view(flat.data_ptr(), flat.nbytes, _PyBUF_READ)  # valid while `flat` lives
             written = 0
             while written < len(view):
                 written += os.write(fd, view[written:])
