@@ -49,11 +49,10 @@ def _shown(spec) -> str:
     return repr(str(spec)) if isinstance(spec, torch.device) else repr(spec)
 
 
-def _use(types: Collection[str] | None) -> str:
-    if types is None:
-        return "a GPU index, 'cpu', 'cuda:N' or another type torch knows"
+def _use(types: Collection[str]) -> str:
+    # ("cpu", "cuda") -> "a GPU index, 'cpu' or 'cuda:N'"
     words = ["a GPU index"] + [f"'{t}'" for t in types if t != "cuda"] + (["'cuda:N'"] if "cuda" in types else [])
-    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+    return ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def _missing(what: str, spec, count: int) -> str:
