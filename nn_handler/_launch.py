@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from .utils.ddp import _cuda_count, find_free_port
+from .utils._devices import cuda_count
+from .utils.ddp import find_free_port
 
 __all__ = ["launch"]
 
@@ -46,7 +47,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
     """Run ``fn(*args, **kwargs)`` on a fresh local process group of ``nprocs`` ranks; rank 0's result."""
     from .utils.ddp_decorators import ParallelExecutor
 
-    gpus = _cuda_count()
+    gpus = cuda_count()
     if nprocs is None:
         if gpus == 0:
             raise ValueError("NNHandler.launch(fn, nprocs=N): without GPUs, say how many CPU processes to start")

@@ -137,15 +137,16 @@ def test_a_device_id_that_does_not_exist(fake_gpus):
     def f(x):
         return x
 
-    with pytest.raises(DeviceError, match=r"name cuda:5, but this machine has 2 CUDA devices \(valid indices 0..1\)"):
+    with pytest.raises(DeviceError, match=r"^device 5 does not exist: this machine has 2 CUDA devices \(valid ids 0..1\)$"):
         f(torch.zeros(1))
 
 
 @pytest.mark.parametrize(
     "device_ids, message",
-    [([], "device_ids is empty"), (0, "must be a list"), ("cuda:0", "must be a list"), ([0, 0], "names a GPU twice"),
-     ([-1, 0], ">= 0, got -1"), ([True, 1], "got True"), ([0, 1.5], "got float 1.5"), (["cpu", 0], "CUDA devices"),
-     (["tpu:1", 0], "unknown device 'tpu:1'"), (["cuda", 0], "with an index")],
+    [([], "must be a non-empty list"), (0, "must be a non-empty list"), ("cuda:0", "must be a non-empty list"),
+     ([0, 0], r"lists cuda:0 twice: \[0, 0\]"), ([-1, 0], ">= 0, got -1"), ([True, 1], "got bool True"),
+     ([0, 1.5], "got float 1.5"), (["cpu", 0], "'cpu' is not a CUDA device"), (["tpu:1", 0], "unknown device 'tpu:1'"),
+     (["cuda", 0], r"lists cuda:0 twice: \['cuda', 0\]")],
 )
 def test_bad_device_ids_fail_when_decorating(device_ids, message):
     with pytest.raises(DeviceError, match=message):

@@ -88,9 +88,9 @@ def test_missing_gpu_index_names_the_count(two_gpus):
 
 @pytest.mark.parametrize("spec", ["tpu0", "cuda:x", "", "banana"])
 def test_unknown_device_string(spec):
-    with pytest.raises(DeviceError, match="unknown device") as info:
+    with pytest.raises(DeviceError) as info:
         resolve_device(spec)
-    assert "cpu, cuda, gpu" in str(info.value)
+    assert str(info.value) == f"unknown device {spec!r}; use a GPU index, 'cpu', 'cuda', 'cuda:N', 'gpu' or a torch.device"
 
 
 @pytest.mark.parametrize("spec", [-1, 1.5, None, True])

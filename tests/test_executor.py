@@ -683,8 +683,9 @@ def _init_with(resource, device):
         ({"num_gpus": "2"}, ValueError, "num_gpus must be a positive integer"),
         ({"device_ids": []}, DeviceError, "non-empty list"),
         ({"device_ids": "cpu"}, DeviceError, "non-empty list"),
-        ({"device_ids": ["tpu"]}, DeviceError, "unknown device id 'tpu'"),
-        ({"device_ids": [-1]}, DeviceError, "GPU index must be >= 0"),
+        ({"device_ids": ["tpu"]}, DeviceError, "unknown device 'tpu'"),
+        ({"device_ids": [-1]}, DeviceError, "device must be a GPU index >= 0, got -1"),
+        ({"device_ids": ["mps"]}, DeviceError, "device 'mps' is not supported here; use a GPU index, 'cpu' or 'cuda:N'"),
         ({"device_ids": ["cpu"], "num_gpus": 2}, ValueError, "disagrees with 1 device_ids"),
         ({"device_ids": ["cpu"], "timeout": -1}, ValueError, "timeout must be a positive number"),
         ({"device_ids": ["cpu"], "initializer": 42}, TypeError, "initializer must be callable"),
@@ -726,9 +727,9 @@ def fake_two_gpus(monkeypatch):
 def test_more_gpus_than_exist(fake_two_gpus):
     with pytest.raises(DeviceError, match="num_gpus=3 but this machine has 2 CUDA devices"):
         ParallelExecutor(num_gpus=3)
-    with pytest.raises(DeviceError, match="device id 5 does not exist: this machine has 2 CUDA devices"):
+    with pytest.raises(DeviceError, match=r"device 5 does not exist: this machine has 2 CUDA devices \(valid ids 0..1\)"):
         ParallelExecutor(device_ids=[0, 5])
-    with pytest.raises(DeviceError, match="lists a GPU twice"):
+    with pytest.raises(DeviceError, match=r"lists cuda:1 twice: \[1, 'cuda:1'\]; give each GPU once"):
         ParallelExecutor(device_ids=[1, "cuda:1"])
     assert ParallelExecutor(device_ids=[1, "cuda:0", "cpu"]).devices == ["cuda:1", "cuda:0", "cpu"]
     assert ParallelExecutor().devices == ["cuda:0", "cuda:1"]

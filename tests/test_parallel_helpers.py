@@ -210,7 +210,7 @@ def test_setup_parallel_model_dataparallel(two_gpus, recorder):
 
 
 def test_setup_parallel_model_validates_ids(two_gpus):
-    with pytest.raises(DeviceError, match=r"device_ids \[0, 3\] name CUDA device 3, but this machine has 2 CUDA devices"):
+    with pytest.raises(DeviceError, match=r"^device 3 does not exist: this machine has 2 CUDA devices \(valid ids 0..1\)$"):
         setup_parallel_model(nn.Linear(2, 2), device_ids=[0, 3])
     with pytest.raises(ConfigurationError, match=r"output_device 1 is not one of device_ids \[0\]"):
         setup_parallel_model(nn.Linear(2, 2), device_ids=[0], output_device=1)

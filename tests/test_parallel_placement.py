@@ -293,9 +293,9 @@ def test_dispatch_rejects_bad_maps(no_gpu, device_map, message):
 
 def test_dispatch_rejects_missing_devices(no_gpu):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(DeviceError, match=r"device_map\['1'\]: device 'cuda:1' does not exist: this machine has 0"):
+    with pytest.raises(DeviceError, match=r"^device 'cuda:1' does not exist: CUDA is not available on this machine$"):
         dispatch_model(model, {"0": "cpu", "1": "cuda:1"})
-    with pytest.raises(DeviceError, match=r"max_memory: device 0 does not exist"):
+    with pytest.raises(DeviceError, match=r"^device 0 does not exist"):
         dispatch_model(model, max_memory={0: "1GiB"})
     with pytest.raises(DeviceError, match="unknown device 'gpu9'"):
         dispatch_model(model, {"0": "cpu", "1": "gpu9"})

@@ -251,7 +251,7 @@ def test_info_and_validation_without_cuda(monkeypatch):
     assert validate_data_parallel_setup() == [
         "CUDA is not available: inference would run on the CPU, without data parallelism"]
     problems = validate_data_parallel_setup([0])
-    assert problems[1] == "device id 0 does not exist: this machine has 0 CUDA devices"
+    assert problems[1] == "device 0 does not exist: CUDA is not available on this machine"
 
 
 def test_info_and_validation_with_one_gpu(monkeypatch):
@@ -273,13 +273,13 @@ def test_info_and_validation_with_two_gpus(monkeypatch):
 
 
 @pytest.mark.parametrize("ids, problems", [
-    ([0, 5], ["device id 5 does not exist: this machine has 2 CUDA devices (valid ids 0..1)",
+    ([0, 5], ["device 5 does not exist: this machine has 2 CUDA devices (valid ids 0..1)",
               "device_ids [0, 5] select 1 usable GPU; data parallelism needs at least 2"]),
-    ([1, "cuda:1"], ["device id 'cuda:1' is listed twice",
+    ([1, "cuda:1"], ["device_ids lists cuda:1 twice: [1, 'cuda:1']; give each GPU once",
                      "device_ids [1, 'cuda:1'] select 1 usable GPU; data parallelism needs at least 2"]),
-    (["cpu", 0, 1], ["device id 'cpu' is not a CUDA device id (use an int or 'cuda:N')"]),
-    ([-1, 0, 1], ["device id -1 does not exist: this machine has 2 CUDA devices (valid ids 0..1)"]),
-    (0, ["device_ids must be a list such as [0, 1], got 0"]),
+    (["cpu", 0, 1], ["device 'cpu' is not a CUDA device; use a GPU index or 'cuda:N'"]),
+    ([-1, 0, 1], ["device must be a GPU index >= 0, got -1"]),
+    (0, ["device_ids must be a non-empty list such as [0, 1], or None for every GPU; got 0"]),
 ])
 def test_validation_names_each_bad_id(monkeypatch, ids, problems):
     fake_gpus(monkeypatch, 2)

@@ -121,12 +121,11 @@ def test_config_device_ids_that_do_not_exist(two_gpus):
     with pytest.raises(DeviceError) as info:
         MultiGPUConfig(device_ids=[0, 2, 5])
     assert isinstance(info.value, ValueError)
-    assert str(info.value) == ("device_ids [0, 2, 5] name CUDA devices 2, 5, but this machine has "
-                               "2 CUDA devices (valid ids 0..1)")
+    assert str(info.value) == "device 2 does not exist: this machine has 2 CUDA devices (valid ids 0..1)"
 
 
 def test_config_device_ids_without_cuda(no_gpu):
-    with pytest.raises(DeviceError, match=r"device_ids \[0\] name CUDA devices, but CUDA is not available here"):
+    with pytest.raises(DeviceError, match=r"^device 0 does not exist: CUDA is not available on this machine$"):
         MultiGPUConfig(device_ids=[0])
 
 
@@ -136,12 +135,12 @@ def test_config_device_ids_accept_cuda_strings(two_gpus):
 
 
 @pytest.mark.parametrize("ids, error, message", [
-    ([], ConfigurationError, "device_ids must not be empty"),
-    ([0, 0], ConfigurationError, r"device_ids must not repeat a device, got \[0, 0\]"),
-    (0, ConfigurationError, "device_ids must be a list of device ids, got 0"),
-    ([-1], DeviceError, "device_ids entry must be >= 0, got -1"),
-    (["cpu"], DeviceError, "must name a CUDA device"),
-    ([True], DeviceError, "must name a CUDA device by index"),
+    ([], DeviceError, r"device_ids must be a non-empty list such as \[0, 1\], or None for every GPU; got \[\]"),
+    ([0, 0], DeviceError, r"device_ids lists cuda:0 twice: \[0, 0\]; give each GPU once"),
+    (0, DeviceError, r"device_ids must be a non-empty list such as \[0, 1\], or None for every GPU; got 0"),
+    ([-1], DeviceError, "device must be a GPU index >= 0, got -1"),
+    (["cpu"], DeviceError, "device 'cpu' is not a CUDA device"),
+    ([True], DeviceError, "device must be a GPU index, a string such as 'cuda:0' or a torch.device, got bool True"),
 ])
 def test_config_malformed_device_ids(two_gpus, ids, error, message):
     with pytest.raises(error, match=message):
@@ -151,8 +150,10 @@ def test_config_malformed_device_ids(two_gpus, ids, error, message):
 def test_config_output_device(two_gpus):
     with pytest.raises(ConfigurationError, match=r"output_device 1 is not one of device_ids \[0\]"):
         MultiGPUConfig(device_ids=[0], output_device=1)
-    with pytest.raises(DeviceError, match="output_device"):
+    with pytest.raises(DeviceError, match=r"^output_device 4 does not exist: this machine has 2 CUDA devices"):
         MultiGPUConfig(output_device=4)
+    with pytest.raises(DeviceError, match=r"^output_device 'cpu' is not a CUDA device"):
+        MultiGPUConfig(output_device="cpu")
 
 
 def test_config_backend(no_gpu):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import DataParallel
 
 from ..errors import DeviceError
-from .ddp import _cuda_count
+from ._devices import cuda_count, parse_device_ids
 
 __all__ = ["parallel_on_all_devices"]
 
@@ -32,39 +32,6 @@ class _FunctionModule(nn.Module):
         return self.fn(*args, **kwargs)
 
 
-def _device_index(spec) -> int:
-    if isinstance(spec, bool):
-        raise DeviceError(f"device_ids must hold GPU indices or CUDA devices, got {spec!r}")
-    if isinstance(spec, int):
-        index = spec
-    elif isinstance(spec, (str, torch.device)):
-        try:
-            device = torch.device(spec)
-        except RuntimeError:
-            raise DeviceError(f"device_ids: unknown device {spec!r}; use GPU indices or 'cuda:N'") from None
-        if device.type != "cuda" or device.index is None:
-            raise DeviceError(f"device_ids must name CUDA devices with an index ('cuda:0'), got {spec!r}")
-        index = device.index
-    else:
-        raise DeviceError(f"device_ids must hold GPU indices or CUDA devices, got {type(spec).__name__} {spec!r}")
-    if index < 0:
-        raise DeviceError(f"device_ids: a GPU index must be >= 0, got {index}")
-    return index
-
-
-def _check_device_ids(device_ids) -> list[int] | None:
-    if device_ids is None:
-        return None
-    if isinstance(device_ids, (str, torch.device, int)) or not isinstance(device_ids, Sequence):
-        raise DeviceError(f"device_ids must be a list of GPU indices, e.g. [0, 1], got {device_ids!r}")
-    ids = [_device_index(d) for d in device_ids]
-    if not ids:
-        raise DeviceError("device_ids is empty; give at least two GPU indices, or None for every GPU")
-    if len(set(ids)) != len(ids):
-        raise DeviceError(f"device_ids names a GPU twice: {list(device_ids)!r}")
-    return ids
-
-
 def _tensors(obj, path: str):
     """Every tensor in ``obj`` with where it sits, through the containers DataParallel scatters into."""
     if isinstance(obj, torch.Tensor):
@@ -80,23 +47,21 @@ def _tensors(obj, path: str):
 class _Runner:
     """Per decorated function: decides once between DataParallel and the plain function, and builds it once."""
 
-    def __init__(self, fn: Callable, device_ids: list[int] | None) -> None:
+    def __init__(self, fn: Callable, device_ids: Sequence[DeviceId] | None) -> None:
         self.fn = fn
         self.name = getattr(fn, "__qualname__", repr(fn))
-        self.requested = device_ids
+        # As given (a copy): checked against this machine on the first call.
+        self.requested = None if device_ids is None else list(device_ids)
         self.module: nn.Module | None = None
         self.decided = False
         self.lock = threading.Lock()
 
     def _decide(self) -> None:
-        count = _cuda_count()
-        ids = self.requested if self.requested is not None else list(range(count))
-        if count and any(i >= count for i in ids):
-            missing = [i for i in ids if i >= count]
-            raise DeviceError(
-                f"parallel_on_all_devices({self.name}): device_ids {self.requested} name cuda:{missing[0]}, "
-                f"but this machine has {count} CUDA device{'s' if count != 1 else ''} (valid indices 0..{count - 1})"
-            )
+        count = cuda_count()
+        if self.requested is None:
+            ids = list(range(count))
+        else:  # without CUDA nothing is checked: the function runs as is (warned below)
+            ids = [d.index for d in parse_device_ids(self.requested, exists=count > 0)]
         if count == 0:
             reason = "CUDA is not available"
         elif len(ids) < 2:
@@ -201,10 +166,12 @@ def parallel_on_all_devices(func=None, *, device_ids=None):
             f"parallel_on_all_devices takes the function, or only keyword arguments: "
             f"write @parallel_on_all_devices(device_ids=[0, 1]), got {func!r}"
         )
-    ids = _check_device_ids(device_ids)
+    if device_ids is not None:
+        # The form now; whether the GPUs exist on the first call (the decorator may run before CUDA is set up).
+        parse_device_ids(device_ids, exists=False)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        runner = _Runner(fn, ids)
+        runner = _Runner(fn, device_ids)
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:

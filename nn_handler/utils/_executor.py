@@ -12,10 +12,9 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import cloudpickle
-import torch
 
 from ..errors import DeviceError
-from .ddp import _cuda_count
+from ._devices import cuda_count, parse_device_ids
 from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from ._worker import worker_state
 
@@ -38,7 +37,7 @@ def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None
     """One device string per worker, validated; raises before anything starts."""
     if num_gpus is not None and (isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus <= 0):
         raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
-    count = _cuda_count()
+    count = cuda_count()
     if device_ids is None:
         if count == 0:
             _warn_no_cuda(num_gpus or 1)
@@ -47,42 +46,15 @@ def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None
             raise DeviceError(f"num_gpus={num_gpus} but this machine has {count} CUDA device{'s' if count != 1 else ''}")
         return [f"cuda:{i}" for i in range(num_gpus or count)]
 
-    if isinstance(device_ids, (str, int)) or not isinstance(device_ids, Sequence) or len(device_ids) == 0:
-        raise DeviceError(f"device_ids must be a non-empty list such as [0, 1] or ['cpu', 'cpu'], got {device_ids!r}")
-    if num_gpus is not None and num_gpus != len(device_ids):
-        raise ValueError(f"num_gpus={num_gpus} disagrees with {len(device_ids)} device_ids; give one of them")
-    devices = [_one_device(d, count) for d in device_ids]
-    gpus = [d for d in devices if d.startswith("cuda:")]
-    if len(set(gpus)) != len(gpus):
-        raise DeviceError(f"device_ids lists a GPU twice: {list(device_ids)}; one worker per GPU")
-    if any(d == "cuda?" for d in devices):  # GPUs asked for, none here
+    # CPU workers are allowed; GPUs are checked against this machine unless there are
+    # none, in which case the workers fall back to the CPU (below) instead of failing.
+    devices = parse_device_ids(device_ids, types=("cpu", "cuda"), exists=count > 0)
+    if num_gpus is not None and num_gpus != len(devices):
+        raise ValueError(f"num_gpus={num_gpus} disagrees with {len(devices)} device_ids; give one of them")
+    if count == 0 and any(d.type == "cuda" for d in devices):
         _warn_no_cuda(len(devices))
-        devices = ["cpu" if d == "cuda?" else d for d in devices]
-    return devices
-
-
-def _one_device(spec: int | str | torch.device, count: int) -> str:
-    if isinstance(spec, bool):
-        raise DeviceError(f"device id must be an int, 'cpu' or 'cuda:N', got {spec!r}")
-    if isinstance(spec, int):
-        index = spec
-    else:
-        try:
-            dev = torch.device(spec)
-        except (RuntimeError, TypeError):
-            raise DeviceError(f"unknown device id {spec!r}; use an int GPU index, 'cpu' or 'cuda:N'") from None
-        if dev.type == "cpu":
-            return "cpu"
-        if dev.type != "cuda":
-            raise DeviceError(f"device id {spec!r} is not supported; use an int GPU index, 'cpu' or 'cuda:N'")
-        index = 0 if dev.index is None else dev.index
-    if index < 0:
-        raise DeviceError(f"GPU index must be >= 0, got {index}")
-    if count == 0:
-        return "cuda?"
-    if index >= count:
-        raise DeviceError(f"device id {spec!r} does not exist: this machine has {count} CUDA device{'s' if count != 1 else ''}")
-    return f"cuda:{index}"
+        return ["cpu"] * len(devices)
+    return [str(d) for d in devices]
 
 
 def _check_timeout(timeout: float | None) -> float | None:

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError, DeviceError
-from .ddp import _cuda_count
+from ..errors import ConfigurationError
+from ._devices import cuda_count, parse_device
 
 __all__ = ["plan_device_map", "dispatch_model", "parse_memory_size", "DEVICE_MAP_ATTR"]
 
@@ -248,23 +248,9 @@ def _retie(sites: dict[int, list[tuple[nn.Module, str, str]]]) -> None:
                 getattr(module, kind)[name] = kept
 
 
-def _label(spec: Any, what: str) -> str:
+def _label(spec: Any) -> str:
     """A canonical device label ('cpu', 'cuda:1', ...) for a device that exists here."""
-    if isinstance(spec, bool):
-        raise DeviceError(f"{what}: device must be an int, a string or a torch.device, got {spec!r}")
-    try:
-        device = torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec)
-    except (RuntimeError, TypeError):
-        raise DeviceError(f"{what}: unknown device {spec!r}; use 'cpu', 'cuda:N' or a GPU index") from None
-    if device.type == "cuda":
-        count, index = _cuda_count(), 0 if device.index is None else device.index
-        if index >= count:
-            raise DeviceError(
-                f"{what}: device {spec!r} does not exist: this machine has {count} CUDA device"
-                f"{'s' if count != 1 else ''}"
-            )
-        return f"cuda:{index}"
-    return str(device)
+    return str(parse_device(spec))
 
 
 def _default_budget(label: str) -> int | None:
@@ -374,7 +360,7 @@ def dispatch_model(
                 + (f"not children {unknown}" if unknown else "")
                 + f" (children: {list(sizes)})"
             )
-        plan = {n: _label(mapping[n], f"device_map[{n!r}]") for n in sizes}
+        plan = {n: _label(mapping[n]) for n in sizes}
         if max_memory is not None:
             log.warning("dispatch_model: max_memory is ignored when device_map is a dict")
     else:
@@ -389,12 +375,12 @@ def dispatch_model(
                 raise ConfigurationError(f"max_memory must be a non-empty dict {{device: bytes}}, got {max_memory!r}")
             budgets = {}
             for key, value in max_memory.items():
-                label = _label(key, "max_memory")
+                label = _label(key)
                 if label in budgets:
                     raise ConfigurationError(f"max_memory names device {label} twice")
                 budgets[label] = _default_budget(label) if value is None else parse_memory_size(value)
         else:
-            count = _cuda_count()
+            count = cuda_count()
             labels = [f"cuda:{i}" for i in range(count)] or ["cpu"]
             budgets = {label: _default_budget(label) for label in labels}
         plan = plan_device_map(sizes, list(budgets), strategy, budgets)

@@ -38,7 +38,7 @@ from ..errors import ConfigurationError
 from ._executor import ParallelExecutor
 from ._placement import DEVICE_MAP_ATTR, _send
 from ._wrap import unwrap_parallel_model
-from .ddp import _cuda_count
+from ._devices import cuda_count, split_device_ids
 
 __all__ = ["parallel_predict", "get_data_parallel_info", "validate_data_parallel_setup"]
 
@@ -297,34 +297,6 @@ def parallel_predict(
 # --- the seed's introspection --------------------------------------------------------------------
 
 
-def _id_problems(device_ids, count: int) -> tuple[list[int], list[str]]:
-    """The valid CUDA indices among ``device_ids`` and a message per invalid or repeated one."""
-    valid, problems = [], []
-    for spec in device_ids:
-        index = None
-        if isinstance(spec, int) and not isinstance(spec, bool):
-            index = spec
-        elif isinstance(spec, (str, torch.device)):
-            try:
-                dev = torch.device(spec)
-            except (RuntimeError, TypeError):
-                dev = None
-            if dev is not None and dev.type == "cuda":
-                index = 0 if dev.index is None else dev.index
-        if index is None:
-            problems.append(f"device id {spec!r} is not a CUDA device id (use an int or 'cuda:N')")
-        elif index < 0 or index >= count:
-            problems.append(
-                f"device id {spec!r} does not exist: this machine has {count} CUDA device{'s' if count != 1 else ''}"
-                + (f" (valid ids 0..{count - 1})" if count else "")
-            )
-        elif index in valid:
-            problems.append(f"device id {spec!r} is listed twice")
-        else:
-            valid.append(index)
-    return valid, problems
-
-
 def get_data_parallel_info(device_ids: Sequence[int | str] | None = None) -> dict[str, Any]:
     """What data-parallel inference would use here.
 
@@ -342,8 +314,8 @@ def get_data_parallel_info(device_ids: Sequence[int | str] | None = None) -> dic
         >>> info["primary_device"] == info["devices"][0] and info["device_count"] == len(info["devices"])
         True
     """
-    count = _cuda_count()
-    ids = list(range(count)) if device_ids is None else _id_problems(device_ids, count)[0]
+    count = cuda_count()
+    ids = list(range(count)) if device_ids is None else [d.index for d in split_device_ids(device_ids)[0] or []]
     devices = [f"cuda:{i}" for i in ids] or ["cpu"]
     return {
         "enabled": len(ids) >= 2,
@@ -364,14 +336,14 @@ def validate_data_parallel_setup(device_ids: Sequence[int | str] | None = None) 
         >>> problems == [] or all(isinstance(p, str) for p in problems)
         True
     """
-    count = _cuda_count()
-    if device_ids is not None and (isinstance(device_ids, (str, int, torch.device)) or not isinstance(device_ids, Sequence)):
-        return [f"device_ids must be a list such as [0, 1], got {device_ids!r}"]
+    count = cuda_count()
+    valid, id_problems = ([], []) if device_ids is None else split_device_ids(device_ids)
+    if valid is None:  # not a list at all: nothing else to say
+        return id_problems
     problems = []
     if count == 0:
         problems.append("CUDA is not available: inference would run on the CPU, without data parallelism")
-    valid, id_problems = ([], []) if device_ids is None else _id_problems(device_ids, count)
-    problems += id_problems
+    problems += id_problems  # the messages the entry points raise for the same ids
     used = count if device_ids is None else len(valid)
     if count == 1 and device_ids is None:
         problems.append("only 1 CUDA device is available; data parallelism needs at least 2")

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigurationError
-from .ddp import _cuda_count, get_rank, get_world_size, is_distributed
+from ._devices import cuda_count
+from .ddp import get_rank, get_world_size, is_distributed
 
 __all__ = [
     "get_device_count",
@@ -30,7 +31,7 @@ def get_device_count() -> int:
         >>> get_device_count() >= 0
         True
     """
-    return _cuda_count()
+    return cuda_count()
 
 
 def is_parallel_available() -> bool:

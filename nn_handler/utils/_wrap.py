@@ -10,7 +10,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,10 +25,11 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ..errors import ConfigurationError, DeviceError
+from ..errors import ConfigurationError
 from ._env import detect_launch_env
 from ._reports import get_device_count
-from .ddp import _cuda_count, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device
+from ._devices import CUDA_ONLY, cuda_count, parse_device, parse_device_ids
+from .ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device
 
 __all__ = [
     "MultiGPUMode",
@@ -57,41 +58,6 @@ class MultiGPUMode(str, Enum):
 
 _MODES = tuple(m.value for m in MultiGPUMode)
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-
-
-def _device_index(spec: Any, what: str) -> int:
-    """A CUDA device index from an int, ``"cuda:N"`` or ``torch.device("cuda", N)``."""
-    if isinstance(spec, bool):
-        raise DeviceError(f"{what} must name a CUDA device by index, got {spec!r}")
-    if isinstance(spec, int):
-        index = spec
-    else:
-        try:
-            device = torch.device(spec)
-        except (RuntimeError, TypeError):
-            raise DeviceError(f"{what} must name a CUDA device (an int or 'cuda:N'), got {spec!r}") from None
-        if device.type != "cuda" or device.index is None:
-            raise DeviceError(f"{what} must name a CUDA device (an int or 'cuda:N'), got {spec!r}")
-        index = device.index
-    if index < 0:
-        raise DeviceError(f"{what} must be >= 0, got {index}")
-    return index
-
-
-def _check_device_ids(ids: Sequence[int], what: str = "device_ids") -> None:
-    count = _cuda_count()
-    if count == 0:
-        raise DeviceError(
-            f"{what} {list(ids)} name CUDA devices, but CUDA is not available here; "
-            f"leave {what}=None to run on what this machine has"
-        )
-    missing = [i for i in ids if i >= count]
-    if missing:
-        raise DeviceError(
-            f"{what} {list(ids)} name CUDA device{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(map(str, missing))}, but this machine has {count} CUDA device"
-            f"{'s' if count != 1 else ''} (valid ids 0..{count - 1})"
-        )
 
 
 @dataclass
@@ -124,9 +90,10 @@ class MultiGPUConfig:
 
     Raises:
         ConfigurationError: An unknown mode or backend, a non-positive bucket
-            size, a flag that is not a bool, duplicated device ids, or an
-            ``output_device`` outside ``device_ids``.
-        DeviceError: A device id that does not exist on this machine.
+            size, a flag that is not a bool, or an ``output_device`` outside
+            ``device_ids``.
+        DeviceError: ``device_ids`` that are not a non-empty list of distinct
+            GPU ids, or a device that does not exist on this machine.
 
     Example:
         >>> MultiGPUConfig(mode="none").mode
@@ -174,20 +141,13 @@ class MultiGPUConfig:
             self.backend = self.backend.lower()
 
         if self.device_ids is not None:
-            if isinstance(self.device_ids, (str, int, torch.device)):
-                raise ConfigurationError(f"device_ids must be a list of device ids, got {self.device_ids!r}")
-            ids = [_device_index(d, "device_ids entry") for d in self.device_ids]
-            if not ids:
-                raise ConfigurationError("device_ids must not be empty; use None for all CUDA devices")
-            if len(set(ids)) != len(ids):
-                raise ConfigurationError(f"device_ids must not repeat a device, got {ids}")
-            _check_device_ids(ids)
-            self.device_ids = ids
+            self.device_ids = [d.index for d in parse_device_ids(self.device_ids)]
         if self.output_device is not None:
-            out = _device_index(self.output_device, "output_device")
+            # One of device_ids (checked just above) exists; on its own it is checked here.
+            out = parse_device(self.output_device, types=CUDA_ONLY, exists=self.device_ids is None,
+                               what="output_device").index
             if self.device_ids is not None and out not in self.device_ids:
                 raise ConfigurationError(f"output_device {out} is not one of device_ids {self.device_ids}")
-            _check_device_ids([out], "output_device")
             self.output_device = out
 
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -253,7 +213,7 @@ def resolve_parallel_mode(config: MultiGPUConfig | None = None, *, device: Any =
         return "distributed"
     if device is not None and resolve_device(device).type != "cuda":
         return "none"
-    gpus = len(config.device_ids) if config.device_ids is not None else _cuda_count()
+    gpus = len(config.device_ids) if config.device_ids is not None else cuda_count()
     return "dataparallel" if gpus >= 2 else "none"
 
 
@@ -360,14 +320,13 @@ def prepare_model(
 
 
 def _wrap_data_parallel(model, device_ids, output_device, target) -> nn.Module:
-    count = _cuda_count()
+    count = cuda_count()
     if count == 0:
         raise ConfigurationError(
             "mode='dataparallel' needs CUDA devices, but CUDA is not available here; "
             "use mode='auto' or 'none' on this machine"
         )
-    ids = list(device_ids) if device_ids is not None else list(range(count))
-    _check_device_ids(ids)
+    ids = [d.index for d in parse_device_ids(device_ids)] if device_ids is not None else list(range(count))
     if target is not None:
         if target.type != "cuda":
             raise ConfigurationError(f"mode='dataparallel' runs on CUDA devices, but device={target} was given")
@@ -388,7 +347,7 @@ def _wrap_distributed(model: nn.Module, config: MultiGPUConfig, target) -> nn.Mo
         # nobody has formed the group yet: form it here, once.
         initialize_ddp(backend=config.backend)
     if target is None:
-        target = resolve_device("cuda") if _cuda_count() else torch.device("cpu")
+        target = resolve_device("cuda") if cuda_count() else torch.device("cpu")
     if config.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = _move(model, target)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DeviceError, LaunchEnvironmentError
+from ._devices import cuda_count, parse_device
 from ._env import (
     LaunchEnv,
     detect_launch_env,
@@ -56,7 +57,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=60)
 DeviceLike = Union[torch.device, str, int]
-_DEVICE_WORDS = ("cpu", "cuda", "gpu", "cuda:N", "mps", "auto")
 
 
 def _check_timeout(timeout) -> timedelta:
@@ -180,10 +180,6 @@ def should_use_distributed(use_distributed_flag: bool | None = None) -> bool:
     return possible
 
 
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return bool(mps and mps.is_available())
@@ -198,18 +194,6 @@ def _fallback_to_cpu(asked: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _cuda_index(index: int, asked) -> torch.device:
-    count = _cuda_count()
-    if count == 0:
-        return _fallback_to_cpu(str(asked))
-    if not 0 <= index < count:
-        raise DeviceError(
-            f"device {asked!r} does not exist: this machine has {count} CUDA device"
-            f"{'s' if count != 1 else ''} (valid indices 0..{count - 1})"
-        )
-    return torch.device("cuda", index)
-
-
 def resolve_device(device: DeviceLike = "auto") -> torch.device:
     """Turn a device specification into a ``torch.device`` that exists here.
 
@@ -221,41 +205,24 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
             CPU with a ``RuntimeWarning``.
 
     Raises:
-        DeviceError: An unknown string, or a GPU index that does not exist.
+        DeviceError: An unknown string, or a GPU index that does not exist
+            (the messages of every other device argument, from :mod:`._devices`).
 
     Example:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
-    if isinstance(device, bool):
-        raise DeviceError(f"device must be a torch.device, an int or a string, got {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise DeviceError(f"GPU index must be >= 0, got {device}")
-        return _cuda_index(device, device)
-    if isinstance(device, torch.device):
-        spec = device
-    elif isinstance(device, str):
-        word = device.strip().lower()
-        if word == "auto":
-            if _cuda_count():
-                return _cuda_index(get_local_rank() % _cuda_count(), "auto")
-            return torch.device("mps") if _mps_available() else torch.device("cpu")
-        if word == "gpu":
-            word = "cuda"
-        try:
-            spec = torch.device(word)
-        except RuntimeError:
-            raise DeviceError(
-                f"unknown device {device!r}; use one of {', '.join(_DEVICE_WORDS)} or a torch.device"
-            ) from None
-    else:
-        raise DeviceError(f"device must be a torch.device, an int or a string, got {type(device).__name__}")
-
-    if spec.type == "cpu":
-        return torch.device("cpu")
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        count = cuda_count()
+        if count:
+            return torch.device("cuda", get_local_rank() % count)
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    # The local rank is read only for a bare "cuda": a CPU run never looks at launch variables.
+    spec = parse_device(device, exists=False, cuda_index=None)
     if spec.type == "cuda":
-        return _cuda_index(get_local_rank() if spec.index is None else spec.index, str(device))
+        if cuda_count() == 0:
+            return _fallback_to_cpu(str(device))
+        return parse_device(device, cuda_index=get_local_rank())
     if spec.type == "mps":
         return spec if _mps_available() else _fallback_to_cpu(str(device))
     # Other backends (xpu, meta, ...) are passed through as torch understands them.
@@ -350,7 +317,7 @@ def _warn_if_alone_in_slurm_job() -> None:
 
 
 def _device_for_local_rank(local_rank: int) -> torch.device:
-    count = _cuda_count()
+    count = cuda_count()
     if count == 0:
         return torch.device("cpu")
     if local_rank >= count:
@@ -365,3 +332,5 @@ def _device_for_local_rank(local_rank: int) -> torch.device:
 # The seed's names: aliases of the public functions.
 _should_use_distributed = should_use_distributed
 _resolve_device = resolve_device
+# Moved to ._devices; kept so that code outside the package importing it still works.
+_cuda_count = cuda_count
