@@ -102,7 +102,7 @@ def test_run_on_ranks_and_agree_on_failure_on_two_ranks():
     assert first.endswith("): QuotaError: [Errno 122] quota exceeded writing ckpt")
     # The remote traceback starts at the function, not inside the helper.
     assert rest.startswith("--- traceback of rank 0 ---\nTraceback (most recent call last):\n")
-    assert "_collectives.py" not in rest and 'raise QuotaError(122, "quota exceeded writing ckpt")' in rest
+    assert "nn_handler/utils" not in rest and 'raise QuotaError(122, "quota exceeded writing ckpt")' in rest
 
     # Success: rank 0's result on every rank with broadcast; without, the others get None and skip fn.
     for r in (r0, r1):
