@@ -35,10 +35,9 @@ import threading
 import time
 from types import FrameType
 
-import torch
 import torch.distributed as dist
 
-from .utils._collectives import check_collective_allowed, side_group
+from .utils._collectives import check_collective_allowed, reduce_ints, side_group
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "TrainingPreempted", "SignalCatcher", "PreemptionMonitor"]
 
@@ -165,9 +164,7 @@ def all_max(values: list[int], distributed: bool) -> list[int]:
     if side is None:
         return [int(v) for v in values]
     check_collective_allowed("NNHandler.train")
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=side.group)
-    return [int(v) for v in t.tolist()]
+    return reduce_ints(side, values, dist.ReduceOp.MAX)
 
 
 class PreemptionMonitor:

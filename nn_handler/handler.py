@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -64,9 +65,9 @@ from .checkpoint import (
     run_info,
     scan_run_checkpoints,
 )
-from .errors import CheckpointError, CheckpointMismatchError, ConfigurationError, NonFiniteLossError
+from .errors import CheckpointError, CheckpointMismatchError, ConfigurationError, NonFiniteLossError, RankFailedError
 from .history import History
-from .utils._collectives import broadcast_object, gather, side_group
+from .utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
 from .utils.ddp import (
     cleanup_ddp,
     get_rank,
@@ -1035,10 +1036,12 @@ class NNHandler:
             prune_run_checkpoints(self.checkpoint_dir, self.keep_last, run_id=self._run_id)
         return path
 
-    def _broadcast_from_main(self, obj: Any) -> Any:
+    def _on_main(self, fn: Callable[[], Any], what: str, peer_error: Callable[[RankFailedError], BaseException],
+                 broadcast: bool = False) -> Any:
+        """Run ``fn()`` on rank 0 alone; when it fails there, every rank raises (the others ``peer_error``)."""
         if not (self.distributed and is_distributed()):
-            return obj
-        return broadcast_object(side_group(), obj, src=0)  # not broadcast_object_list: it needs numpy
+            return fn() if self.is_main_process else None  # a handler told use_distributed=False decides alone
+        return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=peer_error)
 
     def _start_run(self) -> None:
         """Before the first epoch: load what ``resume`` names, and claim ``checkpoint_dir`` for this run.
@@ -1047,23 +1050,26 @@ class NNHandler:
         themselves could see different files while rank 0 is still writing);
         every rank then loads the file it chose, or raises its refusal.
         """
-        payload, plan, error = None, None, None
-        if self.is_main_process:
+        loaded: dict[str, Any] = {}  # the payload rank 0 already read: only the plan travels
+
+        def plan_on_main() -> dict[str, Any]:
             try:
-                payload, plan = self._plan_run()
-            except ConfigurationError as exc:
-                plan = {"refused": str(exc)}
-            except Exception as exc:  # reported to every rank below, so none waits or trains on alone
-                error, plan = exc, {"failed": f"{type(exc).__name__}: {exc}"}
-        plan = self._broadcast_from_main(plan)
-        if error is not None:
-            raise error
+                loaded["payload"], plan = self._plan_run()
+            except ConfigurationError as exc:  # a refusal, which every rank raises alike
+                return {"refused": str(exc)}
+            return plan
+
+        def unread(err: RankFailedError) -> CheckpointError:
+            failure = err.failures[0]
+            return CheckpointError(f"rank 0 could not read checkpoint_dir {self.checkpoint_dir}: "
+                                   f"{failure.exc_type.rpartition('.')[2]}: {failure.message}")
+
+        plan = self._on_main(plan_on_main, f"the resume plan for checkpoint_dir {self.checkpoint_dir}", unread,
+                             broadcast=True)
         if "refused" in plan:
             raise ConfigurationError(plan["refused"])
-        if "failed" in plan:
-            raise CheckpointError(f"rank 0 could not read checkpoint_dir {self.checkpoint_dir}: {plan['failed']}")
         if plan["path"] is not None:
-            self._resume_from(Path(plan["path"]), payload, plan["why"])
+            self._resume_from(Path(plan["path"]), loaded.get("payload"), plan["why"])
         self._run_seq = max(self._run_seq, plan["seq"])
         if self.is_main_process and plan["delete"]:
             for name in plan["delete"]:
@@ -1140,14 +1146,18 @@ class NNHandler:
             if payload is None:
                 payload = _checked_payload(load_payload(path), path)
             self._restore(payload, path)
-        except Exception as exc:  # reported to every rank below, so none trains on alone
+        except BaseException as exc:  # reported to every rank below, so none trains on alone
             error = exc
-        failed = self._any_rank(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"another rank could not load {path} (see its error); every rank reads the "
-                                  f"checkpoint itself, so it must be on a file system that all nodes share")
+        if not (self.distributed and is_distributed()):
+            if error is not None:
+                raise error
+        else:
+            try:
+                agree_on_failure(side_group(), f"loading {path}", error, peer_error=lambda err: CheckpointError(
+                    f"another rank could not load {path} (see its error); every rank reads the checkpoint "
+                    f"itself, so it must be on a file system that all nodes share"))
+            finally:
+                error = None  # no frame <-> traceback cycle
         self._finished_early = bool(payload.get("stopped", False))
         if self.is_main_process:
             partial = self._resume_partial
@@ -1155,17 +1165,9 @@ class NNHandler:
                      f", {partial['batches']} batches into epoch {self.epoch + 1}" if partial else "")
 
     def _write_on_main(self, payload: Any, path, what: str) -> None:
-        error = None
-        if self.is_main_process:
-            try:
-                atomic_save(payload, path)
-            except Exception as exc:  # reported to every rank below, so none waits forever
-                error = exc
-        failed = self._any_rank(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"rank 0 could not write the {what} {path}; see rank 0's error")
+        # Every rank raises when the write fails, so none waits forever.
+        self._on_main(functools.partial(atomic_save, payload, path), f"the write of the {what} {path}",
+                      lambda err: CheckpointError(f"rank 0 could not write the {what} {path}; see rank 0's error"))
         if self.is_main_process:
             log.info("saved %s %s", what, path)
 

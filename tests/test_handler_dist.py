@@ -181,10 +181,11 @@ def _save_fails_body(rank, path):
     try:
         make_handler().save_checkpoint(path)
     except CheckpointError as exc:
-        return "CheckpointError", str(exc)
+        cause = exc.__cause__
+        return "CheckpointError", str(exc), None if cause is None else (type(cause).__name__, str(cause))
     except OSError as exc:
-        return "OSError", type(exc).__name__
-    return "saved", ""
+        return "OSError", type(exc).__name__, exc.__cause__
+    return "saved", "", None
 
 
 def test_a_failed_write_on_rank_zero_reaches_every_rank(tmp_path):
@@ -192,7 +193,13 @@ def test_a_failed_write_on_rank_zero_reaches_every_rank(tmp_path):
     blocker.write_text("not a directory")
     r0, r1 = _check(run_distributed(_save_fails_body, nprocs=2, args=(str(blocker / "a.ckpt"),), timeout=TIMEOUT))
     assert r0[0] == "OSError"
-    assert r1 == ("CheckpointError", f"rank 0 could not write the checkpoint {blocker / 'a.ckpt'}; see rank 0's error")
+    assert r1[:2] == ("CheckpointError",
+                      f"rank 0 could not write the checkpoint {blocker / 'a.ckpt'}; see rank 0's error")
+    # "see rank 0's error": it is the cause, with rank 0's traceback.
+    name, text = r1[2]
+    assert name == f"RankFailedError[{r0[1]}]"  # also rank 0's OSError subclass
+    assert text.startswith(f"the write of the checkpoint {blocker / 'a.ckpt'} failed on rank 0 (cpu, pid ")
+    assert "--- traceback of rank 0 ---" in text and "atomic_save" in text
 
 
 def _resume_body(rank, phase, path):

@@ -1,4 +1,10 @@
-"""The status exchange behind ``on_rank`` and ``main_process_first``, and ``any_rank``/``all_ranks``.
+"""The status exchange behind ``on_rank``, ``main_process_first`` and the trainer, and ``any_rank``/``all_ranks``.
+
+"Some ranks do it, every rank agrees on failure" lives here, once:
+:func:`run_on_ranks` (run a function on rank 0, or the given ranks, and
+optionally hand its result to every rank) and :func:`agree_on_failure` (every
+rank did its part; raise on every rank when any failed). ``on_rank``,
+``main_process_first`` and NNHandler's checkpoint writes and resume use them.
 
 Every message travels on a *side* gloo group: CPU tensors, the same under a
 gloo or an nccl default group, never queued behind CUDA streams, and kept
@@ -20,21 +26,27 @@ is no dependency of torch nor of nn_handler).
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 import threading
+import traceback
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
 from ._env import LaunchEnv, detect_launch_env
 from .ddp import is_distributed, on_cleanup
 
 __all__ = ["any_rank", "all_ranks"]
+
+R = TypeVar("R")
 
 # Used when a default group does not say what its timeout is: torch's own
 # default for gloo groups.
@@ -173,15 +185,6 @@ def gather(side: SideGroup, obj) -> list:
     return [pickle.loads(b[:int(n)]) for b, n in zip(buffers, sizes)]
 
 
-def broadcast_object(side: SideGroup, obj, src: int = 0):
-    """``src``'s ``obj`` (picklable) on every rank; ``dist.broadcast_object_list`` without numpy."""
-    data = pickle.dumps(obj) if side.rank == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=side.group)
-    data = broadcast_bytes(side, data, int(size), src)
-    return obj if side.rank == src else pickle.loads(data)
-
-
 def broadcast_bytes(side: SideGroup, data: bytes, size: int, src: int) -> bytes:
     """Send ``data`` (``size`` bytes, known to every rank) from ``src`` to every rank."""
     # The tensor is a view of a bytearray, so the bytes come out through
@@ -192,6 +195,155 @@ def broadcast_bytes(side: SideGroup, data: bytes, size: int, src: int) -> bytes:
     return data if side.rank == src else bytes(buffer)
 
 
+# Frames of these files lie between the catch and the user's code (the
+# except clause here, on_rank's wrapper, main_process_first's generator): a
+# remote traceback starts after them.
+_OWN_FILES = frozenset({__file__, os.path.join(os.path.dirname(__file__), "_rank.py")})
+
+
+def _device_name() -> str:
+    # Only ask CUDA when this process already uses it: initializing CUDA in a
+    # failure path would be slow and may fail itself.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _failure_record(exc: BaseException, rank: int) -> tuple[RankFailure, tuple[bytes, ...]]:
+    """What the other ranks need to raise a faithful RankFailedError: plain, picklable data."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<str() of the {type(exc).__name__} failed>"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+        tb = tb.tb_next  # start at the user's code, not at the frame that caught the error
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = ""
+    record = RankFailure(rank=rank, device=_device_name(), pid=os.getpid(), exc_type=type(exc).__qualname__,
+                         message=message, traceback=text)
+    return record, _type_refs(type(exc))
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
+
+
+def agree_on_failure(side: SideGroup, what: str, failure: BaseException | None = None, payload_size: int = 0, *,
+                     peer_error: Callable[[RankFailedError], BaseException] | None = None) -> int:
+    """Tell every rank whether this rank failed; raise on every rank when any did.
+
+    Every rank calls it at the same point, with the exception its part raised
+    (``None`` when it succeeded). One small all_reduce when none failed; a
+    second round then carries the failure records.
+
+    Args:
+        side: The side group (:func:`side_group`).
+        what: Names the work in messages (``"save failed on rank 0 ..."``).
+        failure: This rank's exception, or ``None``.
+        payload_size: This rank's share of the total returned (the size of
+            a result to broadcast).
+        peer_error: Makes what the ranks that did not fail raise from the
+            :class:`RankFailedError`, which becomes its ``__cause__``;
+            without it they raise the RankFailedError itself.
+
+    Returns:
+        The sum of every rank's ``payload_size``, when no rank failed.
+
+    Raises:
+        BaseException: ``failure`` itself on the rank that had it.
+        RankFailedError: On the others (also an instance of the lowest failed
+            rank's exception type where possible), or what ``peer_error`` made.
+    """
+    try:
+        n_failed, size = exchange(side, failure is not None, payload_size)
+        if n_failed:
+            mine = _failure_record(failure, side.rank) if failure is not None else None
+            records = [r for r in gather(side, mine) if r is not None]
+    except RuntimeError as exc:
+        # Usually a rank died (gloo: "Connection closed by peer") or the
+        # group's timeout passed; say which call was waiting.
+        note = (f"nn_handler: while the ranks exchanged the status of {what}; another rank probably died "
+                f"or did not call {what}")
+        if failure is not None:  # this rank's own error explains more than the exchange's
+            _add_note(failure, f"{note}: {exc}")
+            raise failure
+        _add_note(exc, note)
+        raise
+    if not n_failed:
+        return size
+    if failure is not None:
+        raise failure
+    error = RankFailedError.create(what, [r for r, _ in records], _load_type(records[0][1]))
+    if peer_error is None:
+        raise error
+    raise peer_error(error) from error
+
+
+def _pickled_result(result, what: str) -> bytes:
+    try:
+        return pickle.dumps(result)
+    except Exception as exc:
+        raise TypeError(
+            f"{what} returned a {type(result).__name__} that cannot be pickled, but broadcast_result=True "
+            f"sends it to every rank: {exc}; return plain data (tensors, numbers, dicts) instead"
+        ) from exc
+
+
+def run_on_ranks(side: SideGroup, fn: Callable[[], R], *, what: str, ranks: Sequence[int] = (0,),
+                 broadcast: bool = False, barrier: bool = False,
+                 peer_error: Callable[[RankFailedError], BaseException] | None = None) -> R | None:
+    """Run ``fn()`` on ``ranks`` only (rank 0 by default); a failure there raises on every rank.
+
+    Every rank must call it at the same point (it is a collective). While
+    ``fn`` runs, collectives of nn_handler refuse (see ``restricted``), since
+    the other ranks do not run it. Then the ranks agree as
+    :func:`agree_on_failure` does: the rank that failed re-raises its own
+    exception, the others raise :class:`RankFailedError` (also an instance
+    of the original type where possible), or what ``peer_error`` makes of it.
+
+    Args:
+        side: The side group (:func:`side_group`); the caller handles "no group".
+        fn: Takes no arguments (bind them with ``functools.partial``).
+        what: Names the work in messages.
+        ranks: Sorted distinct ranks to run on, each below the world size.
+        broadcast: Return the result of ``ranks[0]`` on every rank (pickled:
+            an unpicklable result fails there, like ``fn`` raising).
+        barrier: After success, meet at a :func:`monitored_barrier`.
+        peer_error: See :func:`agree_on_failure`.
+
+    Returns:
+        ``fn``'s result on ``ranks`` (on every rank with ``broadcast``), else ``None``.
+    """
+    check_collective_allowed(what)
+    source = ranks[0]  # whose result broadcast sends
+    result, failure, payload = None, None, b""
+    if side.rank in ranks:
+        token = restricted.set(True)
+        try:
+            result = fn()
+            if broadcast and side.rank == source:
+                payload = _pickled_result(result, what)
+        except BaseException as exc:  # KeyboardInterrupt too: the others must not wait for it
+            failure = exc
+        finally:
+            restricted.reset(token)
+    try:
+        size = agree_on_failure(side, what, failure, len(payload), peer_error=peer_error)
+    finally:
+        failure = None  # no frame <-> traceback cycle kept alive by this frame
+    if broadcast:
+        data = broadcast_bytes(side, payload, size, source)
+        if side.rank != source:
+            result = pickle.loads(data)
+    if barrier:
+        monitored_barrier(side)
+    return result
+
+
 def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None:
     """A barrier whose timeout error names the ranks that did not arrive.
 
@@ -200,14 +352,19 @@ def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None
     dist.monitored_barrier(group=side.group, timeout=timeout or side.timeout, wait_all_ranks=True)
 
 
+def reduce_ints(side: SideGroup, values, op) -> list[int]:
+    """Element-wise ``op`` (a ``dist.ReduceOp``) of every rank's ints ``values``: one all_reduce on the side group."""
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=side.group)
+    return t.tolist()
+
+
 def _agree(flag, op, what: str) -> bool:
     side = side_group()
     if side is None:
         require_group(what, "to agree with the other ranks")
         return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(value, op=op, group=side.group)
-    return bool(value.item())
+    return bool(reduce_ints(side, [1 if flag else 0], op)[0])
 
 
 def any_rank(flag) -> bool:

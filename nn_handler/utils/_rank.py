@@ -1,6 +1,6 @@
 """``on_rank`` and ``main_process_first``: rank-restricted code whose failure reaches every rank.
 
-Protocol of one ``on_rank`` call in a process group (``_settle``)::
+Protocol of one ``on_rank`` call in a process group (``_collectives.run_on_ranks``)::
 
     target ranks:  run func ─┐                      ┌─ failed? gather records, raise
                              ├─ exchange(failed, n) ┤
@@ -15,15 +15,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import os
-import pickle
-import traceback
 from typing import Callable, Iterator, ParamSpec, Sequence, TypeVar, Union
 
-import torch
 import torch.distributed as dist
 
-from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
 from . import _collectives as coll
 from ._env import detect_launch_env
 from .ddp import is_distributed
@@ -80,76 +75,6 @@ def _check_range(ranks: tuple[int, ...], world_size: int, name: str) -> None:
             f"on_rank({name}): rank must be in [0, {world_size}) (the world size is {world_size}), "
             f"got {bad[0] if len(bad) == 1 else bad}"
         )
-
-
-def _device_name() -> str:
-    # Only ask CUDA when this process already uses it: initializing CUDA in a
-    # failure path would be slow and may fail itself.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
-
-
-def _failure_record(exc: BaseException, rank: int) -> tuple[RankFailure, tuple[bytes, ...]]:
-    """What the other ranks need to raise a faithful RankFailedError: plain, picklable data."""
-    try:
-        message = str(exc)
-    except Exception:
-        message = f"<str() of the {type(exc).__name__} failed>"
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # start at the user's code, not at the frame that caught the error
-    try:
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-    except Exception:
-        text = ""
-    record = RankFailure(rank=rank, device=_device_name(), pid=os.getpid(), exc_type=type(exc).__qualname__,
-                         message=message, traceback=text)
-    return record, _type_refs(type(exc))
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(note)
-
-
-def _settle(side: coll.SideGroup, name: str, failure: BaseException | None, payload_size: int = 0) -> int:
-    """Tell every rank whether this rank failed; raise on every rank when any did.
-
-    Returns the total payload size (for ``broadcast_result``) when no rank failed.
-    Raises ``failure`` on the rank that had it, :class:`RankFailedError` on the others.
-    """
-    try:
-        n_failed, size = coll.exchange(side, failure is not None, payload_size)
-        if n_failed:
-            mine = _failure_record(failure, side.rank) if failure is not None else None
-            records = [r for r in coll.gather(side, mine) if r is not None]
-    except RuntimeError as exc:
-        # Usually a rank died (gloo: "Connection closed by peer") or the
-        # group's timeout passed; say which call was waiting.
-        note = (f"nn_handler: while the ranks exchanged the status of {name}; another rank probably died "
-                f"or did not call {name}")
-        if failure is not None:  # this rank's own error explains more than the exchange's
-            _add_note(failure, f"{note}: {exc}")
-            raise failure
-        _add_note(exc, note)
-        raise
-    if not n_failed:
-        return size
-    if failure is not None:
-        raise failure
-    first_type = _load_type(records[0][1])
-    raise RankFailedError.create(name, [r for r, _ in records], first_type)
-
-
-def _pickled_result(result, name: str) -> bytes:
-    try:
-        return pickle.dumps(result)
-    except Exception as exc:
-        raise TypeError(
-            f"{name} returned a {type(result).__name__} that cannot be pickled, but broadcast_result=True "
-            f"sends it to every rank: {exc}; return plain data (tensors, numbers, dicts) instead"
-        ) from exc
 
 
 def on_rank(
@@ -232,7 +157,8 @@ def on_rank(
             side = coll.side_group() if not nested else None
             if side is not None:
                 _check_range(targets, side.size, name)
-                return _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result)
+                return coll.run_on_ranks(side, functools.partial(func, *args, **kwargs), what=name, ranks=targets,
+                                         broadcast=broadcast_result, barrier=barrier)
             # No exchange possible: nested in code that only some ranks run,
             # or launched ranks before initialize_ddp. Run on the target ranks.
             if is_distributed():
@@ -253,32 +179,6 @@ def on_rank(
         return wrapper
 
     return decorate
-
-
-def _call_on_targets(side, name, targets, func, args, kwargs, barrier, broadcast_result):
-    source = targets[0]  # whose result broadcast_result sends
-    result, failure, payload = None, None, b""
-    if side.rank in targets:
-        token = coll.restricted.set(True)
-        try:
-            result = func(*args, **kwargs)
-            if broadcast_result and side.rank == source:
-                payload = _pickled_result(result, name)
-        except BaseException as exc:  # KeyboardInterrupt too: the others must not wait for it
-            failure = exc
-        finally:
-            coll.restricted.reset(token)
-    try:
-        size = _settle(side, name, failure, len(payload))
-    finally:
-        failure = None  # no frame <-> traceback cycle kept alive by this frame
-    if broadcast_result:
-        data = coll.broadcast_bytes(side, payload, size, source)
-        if side.rank != source:
-            result = pickle.loads(data)
-    if barrier:
-        coll.monitored_barrier(side)
-    return result
 
 
 @contextlib.contextmanager
@@ -315,7 +215,7 @@ def main_process_first() -> Iterator[None]:
         return
     name = "main_process_first block"
     if side.rank != 0:
-        _settle(side, name, None)  # phase 1: wait for rank 0's block
+        coll.agree_on_failure(side, name, None)  # phase 1: wait for rank 0's block
     token = coll.restricted.set(True)
     try:
         yield
@@ -323,12 +223,12 @@ def main_process_first() -> Iterator[None]:
         coll.restricted.reset(token)
         token = None
         if side.rank == 0:
-            _settle(side, name, exc)  # phase 1: tell the others, who have not started
-        _settle(side, name, exc)  # phase 2: raises exc here
-        raise  # unreachable: _settle raised; kept for readers and linters
+            coll.agree_on_failure(side, name, exc)  # phase 1: tell the others, who have not started
+        coll.agree_on_failure(side, name, exc)  # phase 2: raises exc here
+        raise  # unreachable: agree_on_failure raised; kept for readers and linters
     finally:
         if token is not None:
             coll.restricted.reset(token)
     if side.rank == 0:
-        _settle(side, name, None)  # phase 1: let the others start
-    _settle(side, name, None)  # phase 2: everyone's block is done
+        coll.agree_on_failure(side, name, None)  # phase 1: let the others start
+    coll.agree_on_failure(side, name, None)  # phase 2: everyone's block is done
