@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from .._checks import check_choice
 from ..errors import ConfigurationError, DeviceError
 from .ddp import _cuda_count
 
@@ -161,8 +162,7 @@ def plan_device_map(
         >>> plan_device_map(sizes, ["cuda:0", "cuda:1"], "sequential", {"cuda:0": 1000})
         {'embed': 'cuda:0', 'block1': 'cuda:0', 'block2': 'cuda:0', 'head': 'cuda:1'}
     """
-    if strategy not in _STRATEGIES:
-        raise ConfigurationError(f"strategy must be one of {', '.join(map(repr, _STRATEGIES))}, got {strategy!r}")
+    check_choice("strategy", strategy, _STRATEGIES)
     devices = list(devices)
     if not devices:
         raise ConfigurationError("no devices to place the model on")

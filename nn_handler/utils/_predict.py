@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from .._checks import check_int
 from ..errors import ConfigurationError
 from ._executor import ParallelExecutor
 from ._placement import DEVICE_MAP_ATTR, _send
@@ -255,10 +256,8 @@ def parallel_predict(
         >>> torch.allclose(out, model(x))
         True
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("num_workers", num_workers, minimum=0)
     autocast = _check_autocast(autocast)
     if isinstance(model_or_factory, nn.Module):
         model = unwrap_parallel_model(model_or_factory)
