@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Callable, Mapping, ParamSpec, Sequence, TypeVar, Union, overload
+from typing import Callable, ParamSpec, Sequence, TypeVar, Union, overload
 
 import torch
 from torch import nn
 from torch.nn import DataParallel
 
+from .._tree import tensors
 from ..errors import DeviceError
 from .ddp import _cuda_count
 
@@ -65,18 +66,6 @@ def _check_device_ids(device_ids) -> list[int] | None:
     return ids
 
 
-def _tensors(obj, path: str):
-    """Every tensor in ``obj`` with where it sits, through the containers DataParallel scatters into."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _tensors(item, f"{path}[{i}]")
-    elif isinstance(obj, Mapping):
-        for key, item in obj.items():
-            yield from _tensors(item, f"{path}[{key!r}]")
-
-
 class _Runner:
     """Per decorated function: decides once between DataParallel and the plain function, and builds it once."""
 
@@ -128,8 +117,8 @@ class _Runner:
 
     def _check_inputs(self, args, kwargs) -> None:
         allowed = {torch.device("cuda", i) for i in self.module.device_ids}
-        found = [*(_tensors(a, f"argument {i}") for i, a in enumerate(args)),
-                 *(_tensors(v, f"argument {k!r}") for k, v in kwargs.items())]
+        found = [*(tensors(a, f"argument {i}") for i, a in enumerate(args)),
+                 *(tensors(v, f"argument {k!r}") for k, v in kwargs.items())]
         for where, tensor in (pair for gen in found for pair in gen):
             if tensor.device.type != "cpu" and tensor.device not in allowed:
                 first = f"cuda:{self.module.device_ids[0]}"

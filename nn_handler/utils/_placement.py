@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._checks import check_choice
+from .._tree import to_device
 from ..errors import ConfigurationError, DeviceError
 from .ddp import _cuda_count
 
@@ -274,22 +275,9 @@ def _default_budget(label: str) -> int | None:
     return None  # host memory: no budget unless the caller gives one
 
 
-def _send(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside (tuples, lists, dicts, namedtuples) moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_send(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_send(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _send(v, device)) for k, v in obj.items())
-    return obj
-
-
 def _input_mover(device: torch.device):
     def hook(module, args, kwargs):
-        return _send(args, device), _send(kwargs, device)
+        return to_device(args, device), to_device(kwargs, device)
     return hook
 
 
