@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .._checks import check_choice
+from .._checks import check_choice, invalid
 from .._tree import to_device
 from ..errors import ConfigurationError, DeviceError
 from .ddp import _cuda_count
@@ -50,7 +50,7 @@ def parse_memory_size(size: int | str) -> int:
         (2147483648, 1500, 7)
     """
     if isinstance(size, bool):
-        raise ConfigurationError(f"a memory size must be bytes (int) or a string like '10GiB', got {size!r}")
+        raise invalid("a memory size", "bytes (int) or a string like '10GiB'", size)
     if isinstance(size, int):
         value = size
     elif isinstance(size, str):
@@ -63,9 +63,9 @@ def parse_memory_size(size: int | str) -> int:
             )
         value = int(float(match.group(1)) * _UNITS[unit])
     else:
-        raise ConfigurationError(f"a memory size must be bytes (int) or a string like '10GiB', got {size!r}")
+        raise invalid("a memory size", "bytes (int) or a string like '10GiB'", size)
     if value < 0:
-        raise ConfigurationError(f"a memory size must be >= 0, got {size!r}")
+        raise invalid("a memory size", ">= 0", size)
     return value
 
 
@@ -177,7 +177,7 @@ def plan_device_map(
     names, values = list(sizes), [sizes[n] for n in sizes]
     bad = [(n, v) for n, v in zip(names, values) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     if bad:
-        raise ConfigurationError(f"sizes must be byte counts >= 0, got {dict(bad)}")
+        raise invalid("sizes", "byte counts >= 0", dict(bad))
     plan = (_plan_balanced if strategy == "balanced" else _plan_sequential)(values, caps)
     if values and not plan:
         largest = max(zip(values, names))
