@@ -37,7 +37,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 def batch_size_of(inputs: Any, targets: Any) -> int:
     """Number of samples in a batch: the first dimension of the targets, else of the inputs."""
     for obj in (targets, inputs):
-        first = next((t for _, t in tensors(obj)), None)
+        first = obj if isinstance(obj, torch.Tensor) else next((t for _, t in tensors(obj)), None)
         if first is not None and first.dim() > 0:
             return first.shape[0]
     raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")

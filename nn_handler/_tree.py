@@ -75,8 +75,15 @@ def apply(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         >>> apply(Pair(torch.tensor(1), None), lambda t: t + 1)
         Pair(a=tensor(2), b=None)
     """
+    # Runs on every batch of the training loop: the common containers are
+    # rebuilt inline, without the (key, value) lists of _items.
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        values = [apply(o, fn) for o in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    if type(obj) is dict:
+        return {k: apply(v, fn) for k, v in obj.items()}
     items = _items(obj)
     if items is None:
         return obj
