@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._checks import check_choice, check_int, check_number
+from ._checks import check_choice, check_int, check_number, invalid
 from .utils.ddp import is_main_process
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class _Monitor:
     def __init__(self, monitor: str, mode: Mode, min_delta: float = 0.0):
         check_choice("mode", mode, ("min", "max"))
         if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"monitor must be a History key such as 'val_loss', got {monitor!r}")
+            raise invalid("monitor", "a History key such as 'val_loss'", monitor)
         check_number("min_delta", min_delta, strict=False)
         self.monitor, self.mode, self.min_delta = monitor, mode, float(min_delta)
         self.best: float | None = None

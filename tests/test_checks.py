@@ -131,6 +131,7 @@ SITES = [
     (_callbacks(patience=-1), "patience must be an int >= 0, got -1"),
     (_callbacks(min_delta=-1), "min_delta must be a number >= 0, got -1"),
     (_callbacks(mode="avg"), "mode must be one of 'min', 'max', got 'avg'"),
+    (_callbacks(monitor=""), "monitor must be a History key such as 'val_loss', got ''"),
     (_model_checkpoint(every_n_epochs=0), "every_n_epochs must be an int >= 1, got 0"),
     (_executor(num_gpus=0), "num_gpus must be an int >= 1 or None, got 0"),
     (_executor(num_gpus="2"), "num_gpus must be an int >= 1 or None, got '2'"),
