@@ -528,9 +528,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
     return value
 
 
@@ -538,9 +538,9 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._checks import check_int
 from .utils._devices import cuda_count
 from .utils.ddp import find_free_port
 
@@ -52,8 +53,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
         if gpus == 0:
             raise ValueError("NNHandler.launch(fn, nprocs=N): without GPUs, say how many CPU processes to start")
         nprocs = gpus
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    check_int("nprocs", nprocs, minimum=1)
     if gpus and nprocs > gpus:
         raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPUs; one process per GPU")
     devices = [f"cuda:{i}" for i in range(nprocs)] if gpus else ["cpu"] * nprocs

@@ -16,19 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ._tree import apply, tensors, to_device  # noqa: F401  (to_device: the loop's name for it)
 from .utils.ddp import is_distributed
-
-
-def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move tensors inside tuples, lists and dicts to ``device``; leave everything else as is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (list, tuple)):
-        moved = [to_device(o, device, non_blocking) for o in obj]
-        return type(obj)(moved) if not hasattr(obj, "_fields") else type(obj)(*moved)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
-    return obj
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -48,24 +37,15 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 def batch_size_of(inputs: Any, targets: Any) -> int:
     """Number of samples in a batch: the first dimension of the targets, else of the inputs."""
     for obj in (targets, inputs):
-        while isinstance(obj, (list, tuple)) and obj:
-            obj = obj[0]
-        if isinstance(obj, dict) and obj:
-            obj = next(iter(obj.values()))
-        if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-            return obj.shape[0]
+        first = obj if isinstance(obj, torch.Tensor) else next((t for _, t in tensors(obj)), None)
+        if first is not None and first.dim() > 0:
+            return first.shape[0]
     raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
 
 
 def head(obj: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch-shaped object (tensors, tuples/lists/dicts of them)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[:n]
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(head(o, n) for o in obj)
-    if isinstance(obj, dict):
-        return {k: head(v, n) for k, v in obj.items()}
-    return obj
+    """The first ``n`` samples of a batch-shaped object (tensors inside tuples, lists, dicts, dataclasses)."""
+    return apply(obj, lambda t: t[:n])
 
 
 def real_sample_count(loader: DataLoader) -> int | None:

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._checks import check_choice, check_int, check_number, invalid
 from .utils.ddp import is_main_process
 
 if TYPE_CHECKING:
@@ -98,12 +99,10 @@ class _Monitor:
     """Tracks the best value of one History key."""
 
     def __init__(self, monitor: str, mode: Mode, min_delta: float = 0.0):
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        check_choice("mode", mode, ("min", "max"))
         if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"monitor must be a History key such as 'val_loss', got {monitor!r}")
-        if not min_delta >= 0:
-            raise ValueError(f"min_delta must be >= 0, got {min_delta!r}")
+            raise invalid("monitor", "a History key such as 'val_loss'", monitor)
+        check_number("min_delta", min_delta, strict=False)
         self.monitor, self.mode, self.min_delta = monitor, mode, float(min_delta)
         self.best: float | None = None
 
@@ -155,8 +154,7 @@ class EarlyStopping(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, mode: Mode = "min", min_delta: float = 0.0):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be an int >= 0, got {patience!r}")
+        check_int("patience", patience, minimum=0)
         self._monitor = _Monitor(monitor, mode, min_delta)
         self.patience = patience
         self.wait = 0
@@ -207,13 +205,12 @@ class ModelCheckpoint(Callback):
         >>> ModelCheckpoint("ckpts", every_n_epochs=0)
         Traceback (most recent call last):
         ...
-        ValueError: every_n_epochs must be an int >= 1, got 0
+        nn_handler.errors.ConfigurationError: every_n_epochs must be an int >= 1, got 0
     """
 
     def __init__(self, dirpath: str | os.PathLike, monitor: str = "val_loss", mode: Mode = "min",
                  save_best_only: bool = False, save_last: bool = True, every_n_epochs: int = 1):
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be an int >= 1, got {every_n_epochs!r}")
+        check_int("every_n_epochs", every_n_epochs, minimum=1)
         self.dirpath = Path(dirpath)
         self._monitor = _Monitor(monitor, mode)
         self.save_best_only, self.save_last, self.every_n_epochs = save_best_only, save_last, every_n_epochs

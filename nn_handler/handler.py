@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from . import _training as T
+from ._checks import check_bool, check_int, check_number, invalid
 from ._preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .callbacks import Callback
 from .checkpoint import (
@@ -110,12 +110,6 @@ def _track_for_exit(handler: "NNHandler") -> None:
     if not _atexit_registered:  # on first use, not at import
         atexit.register(_close_live_handlers)
         _atexit_registered = True
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def _seed_everything(seed: int) -> None:
@@ -247,17 +241,16 @@ class NNHandler:
         preemption_check_every: int | None = None,
         overwrite: bool = False,
     ):
-        self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        self.grad_accum_steps = check_int("grad_accum_steps", grad_accum_steps, minimum=1)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.keep_last = _positive_int("keep_last", keep_last)
-        self.preemption_check_every = (None if preemption_check_every is None
-                                       else _positive_int("preemption_check_every", preemption_check_every))
+        self.keep_last = check_int("keep_last", keep_last, minimum=1)
+        self.preemption_check_every = check_int("preemption_check_every", preemption_check_every, minimum=1,
+                                                allow_none=True)
         if resume == "auto" and self.checkpoint_dir is None:
             raise ConfigurationError("resume='auto' looks for checkpoints in checkpoint_dir; pass checkpoint_dir=...")
         if resume is not None and not isinstance(resume, (str, os.PathLike)):
-            raise ConfigurationError(f"resume must be None, 'auto' or a checkpoint path, got {resume!r}")
-        if not isinstance(overwrite, bool):
-            raise ConfigurationError(f"overwrite must be True or False, got {overwrite!r}")
+            raise invalid("resume", "None, 'auto' or a checkpoint path", resume)
+        check_bool("overwrite", overwrite)
         if overwrite and self.checkpoint_dir is None:
             raise ConfigurationError("overwrite=True applies to checkpoint_dir's files; pass checkpoint_dir=...")
         if overwrite and resume == "auto":
@@ -276,11 +269,8 @@ class NNHandler:
         self._finished_early = False  # the loaded checkpoint was written after an early stop
         self._owns_group = False
         self._closed = False
-        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not clip_grad_norm > 0):
-            raise ConfigurationError(f"clip_grad_norm must be a number > 0 or None, got {clip_grad_norm!r}")
-        self.clip_grad_norm = clip_grad_norm
-        self.finite_check_every = (None if finite_check_every is None
-                                   else _positive_int("finite_check_every", finite_check_every))
+        self.clip_grad_norm = check_number("clip_grad_norm", clip_grad_norm, allow_none=True)
+        self.finite_check_every = check_int("finite_check_every", finite_check_every, minimum=1, allow_none=True)
         self.metrics = self._check_metrics(metrics)
         unknown = sorted(set(ddp_kwargs or {}) - set(_DDP_KEYS))
         if unknown:
@@ -541,8 +531,8 @@ class NNHandler:
                 process exits with :data:`~nn_handler.PREEMPTED_EXIT_CODE`.
             CheckpointError: ``resume`` names a checkpoint that a rank cannot load.
         """
-        epochs = _positive_int("epochs", epochs)
-        validate_every = _positive_int("validate_every", validate_every)
+        epochs = check_int("epochs", epochs, minimum=1)
+        validate_every = check_int("validate_every", validate_every, minimum=1)
         self._check_ready()
         if self._start_pending:
             self._start_run()
@@ -944,7 +934,7 @@ class NNHandler:
 
     def _predict_loader(self, data: Any, batch_size: int | None) -> DataLoader:
         if batch_size is not None:
-            _positive_int("batch_size", batch_size)
+            check_int("batch_size", batch_size, minimum=1)
         if isinstance(data, torch.Tensor):
             data = TensorDataset(data)
         if isinstance(data, DataLoader):

@@ -238,9 +238,9 @@ def test_plan_checks(nprocs, cuda_count, nccl, headline, n_steps):
     (["frob"], "invalid choice: 'frob'"),
     ([], "the following arguments are required"),
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
-    (["check", "--nprocs", "0"], "--nprocs: must be a positive integer, got 0"),
-    (["check", "--nprocs", "two"], "--nprocs: must be a positive integer, got 'two'"),
-    (["check", "--timeout", "-1"], "--timeout: must be a positive number of seconds"),
+    (["check", "--nprocs", "0"], "--nprocs: must be an int >= 1, got 0"),
+    (["check", "--nprocs", "two"], "--nprocs: must be an int >= 1, got 'two'"),
+    (["check", "--timeout", "-1"], "--timeout: must be a number of seconds > 0, got -1"),
 ])
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

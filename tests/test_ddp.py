@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nn_handler.utils.ddp as ddp
-from nn_handler.errors import DeviceError, LaunchEnvironmentError
+from nn_handler.errors import ConfigurationError, DeviceError, LaunchEnvironmentError
 from nn_handler.testing import run_distributed
 from nn_handler.utils.ddp import (
     _resolve_device,
@@ -120,7 +120,7 @@ def test_should_use_distributed_follows_the_launcher(clean_env):
 
 @pytest.mark.parametrize("timeout", [-1, timedelta(seconds=-5), 0])
 def test_non_positive_timeout(clean_env, timeout):
-    with pytest.raises(ValueError, match="timeout must be positive"):
+    with pytest.raises(ConfigurationError, match=r"timeout must be a timedelta or a number of seconds > 0, got "):
         initialize_ddp(timeout=timeout)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from helpers import run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
-from nn_handler.errors import DeviceError
+from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils import _executor
 
 CPU2 = ["cpu", "cpu"]
@@ -678,16 +678,17 @@ def _init_with(resource, device):
 @pytest.mark.parametrize(
     "kwargs, error, text",
     [
-        ({"num_gpus": 0}, ValueError, "num_gpus must be a positive integer, got 0"),
-        ({"num_gpus": -2}, ValueError, "num_gpus must be a positive integer"),
-        ({"num_gpus": "2"}, ValueError, "num_gpus must be a positive integer"),
+        ({"num_gpus": 0}, ConfigurationError, "num_gpus must be an int >= 1 or None, got 0"),
+        ({"num_gpus": -2}, ConfigurationError, "num_gpus must be an int >= 1 or None, got -2"),
+        ({"num_gpus": "2"}, ConfigurationError, "num_gpus must be an int >= 1 or None, got '2'"),
         ({"device_ids": []}, DeviceError, "non-empty list"),
         ({"device_ids": "cpu"}, DeviceError, "non-empty list"),
         ({"device_ids": ["tpu"]}, DeviceError, "unknown device 'tpu'"),
         ({"device_ids": [-1]}, DeviceError, "device must be a GPU index >= 0, got -1"),
         ({"device_ids": ["mps"]}, DeviceError, "device 'mps' is not supported here; use a GPU index, 'cpu' or 'cuda:N'"),
         ({"device_ids": ["cpu"], "num_gpus": 2}, ValueError, "disagrees with 1 device_ids"),
-        ({"device_ids": ["cpu"], "timeout": -1}, ValueError, "timeout must be a positive number"),
+        ({"device_ids": ["cpu"], "timeout": -1}, ConfigurationError,
+         "timeout must be a number of seconds > 0 or None, got -1"),
         ({"device_ids": ["cpu"], "initializer": 42}, TypeError, "initializer must be callable"),
         ({"device_ids": ["cpu"], "initializer": _init_with, "initargs": (threading.Lock(),)}, TypeError,
          "positional argument 0 of _init_with (lock) cannot be pickled"),
@@ -712,7 +713,7 @@ def test_bad_calls_fail_before_any_worker_starts():
         ex.run(lambda device: lock)  # the closure holds a lock
     with pytest.raises(TypeError, match=r"item 2 \(lock\) cannot be pickled"):
         ex.map(lambda x, device: x, [1, 2, lock])
-    with pytest.raises(ValueError, match="chunksize must be a positive integer, got 0"):
+    with pytest.raises(ConfigurationError, match="chunksize must be an int >= 1, got 0"):
         ex.map(lambda x, device: x, [1], chunksize=0)
     assert all(s.process is None for s in ex._pool._slots)  # nothing was started
     ex.shutdown()
@@ -801,9 +802,9 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
         assert bare() == ["cpu"]
     finally:
         _executor._warm_pools.shutdown_all()
-    with pytest.raises(ValueError, match="keep_alive must be >= 0"):
+    with pytest.raises(ConfigurationError, match="keep_alive must be a number of seconds >= 0"):
         parallelize_on_gpus(device_ids=CPU2, keep_alive=-1)
-    with pytest.raises(ValueError, match="num_gpus must be a positive integer"):
+    with pytest.raises(ConfigurationError, match="num_gpus must be an int >= 1 or None"):
         parallelize_on_gpus(num_gpus=0)
 
 

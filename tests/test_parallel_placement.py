@@ -219,9 +219,10 @@ def test_redispatch_replaces_the_hooks(no_gpu):
     assert model(torch.randn(1, 4)).device == META
 
 
-def test_send_moves_nested_tensors():
+def test_input_hook_moves_nested_tensors():
     Pair = collections.namedtuple("Pair", "a b")
-    moved = placement._send({"x": [torch.ones(1), (torch.ones(2), "tag")], "p": Pair(torch.ones(3), 4)}, META)
+    tree = {"x": [torch.ones(1), (torch.ones(2), "tag")], "p": Pair(torch.ones(3), 4)}
+    (moved,), _ = placement._input_mover(META)(None, (tree,), {})
     assert moved["x"][0].device == META and moved["x"][1][0].device == META and moved["x"][1][1] == "tag"
     assert isinstance(moved["p"], Pair) and moved["p"].a.device == META and moved["p"].b == 4
 

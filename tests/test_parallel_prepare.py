@@ -113,7 +113,7 @@ def test_config_unknown_mode(no_gpu, mode):
 
 @pytest.mark.parametrize("cap", [-1, 0, -0.5, "25", True, None])
 def test_config_bucket_size_must_be_positive(no_gpu, cap):
-    with pytest.raises(ConfigurationError, match=rf"bucket_cap_mb must be a number > 0 \(MiB\), got {cap!r}"):
+    with pytest.raises(ConfigurationError, match=rf"bucket_cap_mb must be a number of MiB > 0, got {cap!r}"):
         MultiGPUConfig(bucket_cap_mb=cap)
 
 

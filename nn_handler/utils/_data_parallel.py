@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Callable, Mapping, ParamSpec, Sequence, TypeVar, Union, overload
+from typing import Callable, ParamSpec, Sequence, TypeVar, Union, overload
 
 import torch
 from torch import nn
 from torch.nn import DataParallel
 
+from .._tree import tensors
 from ..errors import DeviceError
 from ._devices import cuda_count, parse_device_ids
 
@@ -30,18 +31,6 @@ class _FunctionModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
-
-
-def _tensors(obj, path: str):
-    """Every tensor in ``obj`` with where it sits, through the containers DataParallel scatters into."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _tensors(item, f"{path}[{i}]")
-    elif isinstance(obj, Mapping):
-        for key, item in obj.items():
-            yield from _tensors(item, f"{path}[{key!r}]")
 
 
 class _Runner:
@@ -93,8 +82,8 @@ class _Runner:
 
     def _check_inputs(self, args, kwargs) -> None:
         allowed = {torch.device("cuda", i) for i in self.module.device_ids}
-        found = [*(_tensors(a, f"argument {i}") for i, a in enumerate(args)),
-                 *(_tensors(v, f"argument {k!r}") for k, v in kwargs.items())]
+        found = [*(tensors(a, f"argument {i}") for i, a in enumerate(args)),
+                 *(tensors(v, f"argument {k!r}") for k, v in kwargs.items())]
         for where, tensor in (pair for gen in found for pair in gen):
             if tensor.device.type != "cpu" and tensor.device not in allowed:
                 first = f"cuda:{self.module.device_ids[0]}"

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import cloudpickle
 
+from .._checks import check_int, check_number
 from ..errors import DeviceError
 from ._devices import cuda_count, parse_device_ids
 from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
@@ -35,8 +36,7 @@ def _warn_no_cuda(n: int) -> None:
 
 def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None) -> list[str]:
     """One device string per worker, validated; raises before anything starts."""
-    if num_gpus is not None and (isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus <= 0):
-        raise ValueError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    check_int("num_gpus", num_gpus, minimum=1, allow_none=True)
     count = cuda_count()
     if device_ids is None:
         if count == 0:
@@ -58,9 +58,7 @@ def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None
 
 
 def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    return timeout
+    return check_number("timeout", timeout, unit="seconds", allow_none=True)
 
 
 def _device_position(func, pass_device: bool) -> int | None:
@@ -237,8 +235,7 @@ class ParallelExecutor:
         Returns:
             The results, in input order.
         """
-        if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize <= 0:
-            raise ValueError(f"chunksize must be a positive integer, got {chunksize!r}")
+        check_int("chunksize", chunksize, minimum=1)
         self._pool.check_owner()
         fn_blob = _pickle_call(func, self.pass_device)
         items = list(iterable)
@@ -366,8 +363,7 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
     if callable(num_gpus) and not isinstance(num_gpus, int):
         # Used bare: @parallelize_on_gpus
         return parallelize_on_gpus()(num_gpus)
-    if isinstance(keep_alive, bool) or not isinstance(keep_alive, (int, float)) or keep_alive < 0:
-        raise ValueError(f"keep_alive must be >= 0 seconds, got {keep_alive!r}")
+    check_number("keep_alive", keep_alive, strict=False, unit="seconds")
     # Validate now so a bad configuration fails at decoration, not at first call.
     devices = tuple(_worker_devices(num_gpus, device_ids))
     _check_timeout(timeout)

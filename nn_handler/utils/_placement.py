@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from .._checks import check_choice, invalid
+from .._tree import to_device
 from ..errors import ConfigurationError
 from ._devices import cuda_count, parse_device
 
@@ -48,7 +50,7 @@ def parse_memory_size(size: int | str) -> int:
         (2147483648, 1500, 7)
     """
     if isinstance(size, bool):
-        raise ConfigurationError(f"a memory size must be bytes (int) or a string like '10GiB', got {size!r}")
+        raise invalid("a memory size", "bytes (int) or a string like '10GiB'", size)
     if isinstance(size, int):
         value = size
     elif isinstance(size, str):
@@ -61,9 +63,9 @@ def parse_memory_size(size: int | str) -> int:
             )
         value = int(float(match.group(1)) * _UNITS[unit])
     else:
-        raise ConfigurationError(f"a memory size must be bytes (int) or a string like '10GiB', got {size!r}")
+        raise invalid("a memory size", "bytes (int) or a string like '10GiB'", size)
     if value < 0:
-        raise ConfigurationError(f"a memory size must be >= 0, got {size!r}")
+        raise invalid("a memory size", ">= 0", size)
     return value
 
 
@@ -161,8 +163,7 @@ def plan_device_map(
         >>> plan_device_map(sizes, ["cuda:0", "cuda:1"], "sequential", {"cuda:0": 1000})
         {'embed': 'cuda:0', 'block1': 'cuda:0', 'block2': 'cuda:0', 'head': 'cuda:1'}
     """
-    if strategy not in _STRATEGIES:
-        raise ConfigurationError(f"strategy must be one of {', '.join(map(repr, _STRATEGIES))}, got {strategy!r}")
+    check_choice("strategy", strategy, _STRATEGIES)
     devices = list(devices)
     if not devices:
         raise ConfigurationError("no devices to place the model on")
@@ -176,7 +177,7 @@ def plan_device_map(
     names, values = list(sizes), [sizes[n] for n in sizes]
     bad = [(n, v) for n, v in zip(names, values) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     if bad:
-        raise ConfigurationError(f"sizes must be byte counts >= 0, got {dict(bad)}")
+        raise invalid("sizes", "byte counts >= 0", dict(bad))
     plan = (_plan_balanced if strategy == "balanced" else _plan_sequential)(values, caps)
     if values and not plan:
         largest = max(zip(values, names))
@@ -260,22 +261,9 @@ def _default_budget(label: str) -> int | None:
     return None  # host memory: no budget unless the caller gives one
 
 
-def _send(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside (tuples, lists, dicts, namedtuples) moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_send(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_send(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _send(v, device)) for k, v in obj.items())
-    return obj
-
-
 def _input_mover(device: torch.device):
     def hook(module, args, kwargs):
-        return _send(args, device), _send(kwargs, device)
+        return to_device(args, device), to_device(kwargs, device)
     return hook
 
 

@@ -34,9 +34,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from .._checks import check_int
+from .._tree import combine, detach_cpu, to_device
 from ..errors import ConfigurationError
 from ._executor import ParallelExecutor
-from ._placement import DEVICE_MAP_ATTR, _send
+from ._placement import DEVICE_MAP_ATTR
 from ._wrap import unwrap_parallel_model
 from ._devices import cuda_count, split_device_ids
 
@@ -77,18 +79,6 @@ def _call(model: nn.Module, batch):
     return model(batch)
 
 
-def _detach_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_detach_cpu(o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach_cpu(o) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _detach_cpu(v)) for k, v in obj.items())
-    return obj
-
-
 def _batches(state: dict, start: int, stop: int):
     data, size = state["data"], state["batch_size"]
     ranges = [(i, min(i + size, stop)) for i in range(start, stop, size)]
@@ -111,7 +101,7 @@ def _run_task(token: str, task: tuple[int, int], device: torch.device) -> list:
     outputs = []
     with torch.inference_mode():
         for batch in _batches(state, *task):
-            batch = _send(batch, device)
+            batch = to_device(batch, device)
             if autocast is False:
                 out = _call(model, batch)
             else:
@@ -119,21 +109,19 @@ def _run_task(token: str, task: tuple[int, int], device: torch.device) -> list:
                     torch.float16 if device.type == "cuda" else torch.bfloat16)
                 with torch.autocast(device_type=device.type, dtype=dtype):
                     out = _call(model, batch)
-            outputs.append(_detach_cpu(out))
+            outputs.append(detach_cpu(out))
     return outputs
 
 
 def _concat(outputs: list):
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outputs])
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_concat([o[i] for o in outputs]) for i in range(len(first))))
-    if isinstance(first, (list, tuple)):
-        return type(first)(_concat([o[i] for o in outputs]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([o[k] for o in outputs]) for k in first}
-    return outputs  # anything else: one entry per batch, in order
+    """One output from the per-batch outputs: tensors concatenated, anything else one entry per batch, in order."""
+    return combine(outputs, _concat_leaves)
+
+
+def _concat_leaves(leaves: list):
+    if isinstance(leaves[0], torch.Tensor):
+        return torch.cat([o.reshape(1) if o.dim() == 0 else o for o in leaves])
+    return leaves
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:
@@ -255,10 +243,8 @@ def parallel_predict(
         >>> torch.allclose(out, model(x))
         True
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("num_workers", num_workers, minimum=0)
     autocast = _check_autocast(autocast)
     if isinstance(model_or_factory, nn.Module):
         model = unwrap_parallel_model(model_or_factory)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError
+from .._checks import check_int
 from ._devices import cuda_count
 from .ddp import get_rank, get_world_size, is_distributed
 
@@ -68,8 +68,7 @@ def get_recommended_batch_size(base_batch_size: int = 1, scale_with_gpus: bool =
         >>> get_recommended_batch_size(8) == 8 * max(1, get_device_count())
         True
     """
-    if isinstance(base_batch_size, bool) or not isinstance(base_batch_size, int) or base_batch_size < 1:
-        raise ConfigurationError(f"base_batch_size must be an int >= 1, got {base_batch_size!r}")
+    check_int("base_batch_size", base_batch_size, minimum=1)
     if not scale_with_gpus or is_distributed():
         return base_batch_size
     return base_batch_size * max(1, get_device_count())

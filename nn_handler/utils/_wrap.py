@@ -25,6 +25,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from .._checks import check_bool, check_int, check_number, invalid
 from ..errors import ConfigurationError
 from ._env import detect_launch_env
 from ._reports import get_device_count
@@ -118,26 +119,19 @@ class MultiGPUConfig:
     def __post_init__(self) -> None:
         mode = self.mode.value if isinstance(self.mode, MultiGPUMode) else self.mode
         if not isinstance(mode, str) or mode.strip().lower() not in _MODES:
-            raise ConfigurationError(
-                f"mode must be one of {', '.join(map(repr, _MODES))}, got {self.mode!r}"
-            )
+            raise invalid("mode", f"one of {', '.join(map(repr, _MODES))}", self.mode)
         self.mode = mode.strip().lower()
 
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers",
                      "static_graph", "sync_bn"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
-        cap = self.bucket_cap_mb
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            raise ConfigurationError(f"bucket_cap_mb must be a number > 0 (MiB), got {cap!r}")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, unit="MiB")
 
         if self.backend is not None:
             if not isinstance(self.backend, str) or self.backend.lower() not in _BACKENDS:
-                raise ConfigurationError(
-                    f"backend must be one of {', '.join(map(repr, _BACKENDS))} or None (pick for the device), "
-                    f"got {self.backend!r}"
-                )
+                raise invalid("backend", f"one of {', '.join(map(repr, _BACKENDS))} or None", self.backend,
+                              hint="None picks the backend for the device")
             self.backend = self.backend.lower()
 
         if self.device_ids is not None:
@@ -548,8 +542,7 @@ def parallelize_if_available(model: nn.Module, min_gpus: int = 2, **kwargs: Any)
         >>> parallelize_if_available(model, min_gpus=1000) is model
         True
     """
-    if isinstance(min_gpus, bool) or not isinstance(min_gpus, int) or min_gpus < 1:
-        raise ConfigurationError(f"min_gpus must be an int >= 1, got {min_gpus!r}")
+    check_int("min_gpus", min_gpus, minimum=1)
     if get_device_count() < min_gpus:
         return model
     return setup_parallel_model(model, **kwargs)

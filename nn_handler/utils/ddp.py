@@ -27,6 +27,7 @@ from typing import Mapping, Union
 import torch
 import torch.distributed as dist
 
+from .._checks import invalid
 from ..errors import DeviceError, LaunchEnvironmentError
 from ._devices import cuda_count, parse_device
 from ._env import (
@@ -63,12 +64,14 @@ def _check_timeout(timeout) -> timedelta:
     if timeout is None:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta):
+        seconds = timeout
+    elif isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    else:
         raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    return timeout
+    if not seconds > 0:  # NaN too
+        raise invalid("timeout", "a timedelta or a number of seconds > 0", timeout)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
 def is_distributed() -> bool:
