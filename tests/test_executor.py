@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 import traceback
+import typing
 import warnings
 
 import pytest
@@ -825,6 +826,17 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
         parallelize_on_gpus(device_ids=CPU2, keep_alive=-1)
     with pytest.raises(ValueError, match="num_gpus must be a positive integer"):
         parallelize_on_gpus(num_gpus=0)
+
+
+def test_decorator_is_typed_with_the_functions_parameters():
+    # A type checker sees `f(x: int) -> float` decorated as `(x: int) -> list[float]` with .shutdown().
+    P, R, typed = _executor.P, _executor.R, _executor.ParallelFunction
+    bare, configured = (typing.get_type_hints(o)["return"] for o in typing.get_overloads(parallelize_on_gpus))
+    assert bare == typed[P, R]
+    assert configured == typing.Callable[[typing.Callable[P, R]], typed[P, R]]
+    call = typing.get_type_hints(typed.__call__)
+    assert (call["args"], call["kwargs"], call["return"]) == (P.args, P.kwargs, list[R])
+    assert "shutdown" in dir(typed)
 
 
 # ----------------------------------------------------------------------------- the caller goes away
