@@ -6,58 +6,113 @@ Example:
     False
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    CheckpointMismatchError,
     ConfigurationError,
     DeviceError,
+    ExecutorTimeoutError,
     LaunchEnvironmentError,
+    MissingExtraError,
     NNHandlerError,
+    NonFiniteLossError,
     ParallelExecutionError,
     RankFailedError,
+    TrainingPreempted,
     WorkerDiedError,
 )
-from .utils._executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus, worker_state
-from .utils.ddp_decorators import all_ranks, any_rank, main_process_first, on_rank, parallel_on_all_devices
-from .utils.ddp import (
-    barrier,
-    cleanup_ddp,
-    find_free_port,
-    get_local_rank,
-    get_rank,
-    get_world_size,
-    initialize_ddp,
-    is_distributed,
-    is_main_process,
-    resolve_device,
-    should_use_distributed,
-)
-from .utils.parallel import (
-    MultiGPUConfig,
-    MultiGPUMode,
-    get_device_count,
-    get_gpu_memory_info,
-    get_gpu_stats,
-    get_recommended_batch_size,
-    is_parallel_available,
-    parallelize_if_available,
-    prepare_dataloader,
-    prepare_model,
-    print_gpu_memory_info,
-    resolve_parallel_mode,
-    setup_parallel_model,
-    unwrap_parallel_model,
-)
-from .utils.parallel import (
-    dispatch_model,
-    get_data_parallel_info,
-    parallel_predict,
-    plan_device_map,
-    validate_data_parallel_setup,
-)
-from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
-from .errors import CheckpointError, CheckpointMismatchError, MissingExtraError, NonFiniteLossError
-from .handler import NNHandler
-from .history import History
-from ._preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+
+# Every other public name is loaded on first use (module __getattr__, as
+# CPython's concurrent/futures/__init__.py does): a worker child imports this
+# package before it runs a call, and must not pay for torch.distributed, the
+# trainer and the model helpers it does not use. Each name comes from its
+# public home module.
+_LAZY = {
+    ".utils.ddp_decorators": ("ParallelExecutor", "parallelize_on_gpus", "on_rank", "main_process_first",
+                              "any_rank", "all_ranks", "parallel_on_all_devices"),
+    # Where a worker's functions find it: the module every worker has already loaded.
+    ".utils._worker": ("worker_state",),
+    ".utils.ddp": ("barrier", "cleanup_ddp", "find_free_port", "get_local_rank", "get_rank", "get_world_size",
+                   "initialize_ddp", "is_distributed", "is_main_process", "resolve_device", "should_use_distributed"),
+    ".utils.parallel": ("MultiGPUConfig", "MultiGPUMode", "get_device_count", "get_gpu_memory_info", "get_gpu_stats",
+                        "get_recommended_batch_size", "is_parallel_available", "parallelize_if_available",
+                        "prepare_dataloader", "prepare_model", "print_gpu_memory_info", "resolve_parallel_mode",
+                        "setup_parallel_model", "unwrap_parallel_model", "dispatch_model", "get_data_parallel_info",
+                        "parallel_predict", "plan_device_map", "validate_data_parallel_setup"),
+    ".callbacks": ("Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint"),
+    ".handler": ("NNHandler",),
+    ".history": ("History",),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ loads these
+    from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
+    from .handler import NNHandler
+    from .history import History
+    from .utils._worker import worker_state
+    from .utils.ddp import (
+        barrier,
+        cleanup_ddp,
+        find_free_port,
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        initialize_ddp,
+        is_distributed,
+        is_main_process,
+        resolve_device,
+        should_use_distributed,
+    )
+    from .utils.ddp_decorators import (
+        ParallelExecutor,
+        all_ranks,
+        any_rank,
+        main_process_first,
+        on_rank,
+        parallel_on_all_devices,
+        parallelize_on_gpus,
+    )
+    from .utils.parallel import (
+        MultiGPUConfig,
+        MultiGPUMode,
+        dispatch_model,
+        get_data_parallel_info,
+        get_device_count,
+        get_gpu_memory_info,
+        get_gpu_stats,
+        get_recommended_batch_size,
+        is_parallel_available,
+        parallel_predict,
+        parallelize_if_available,
+        plan_device_map,
+        prepare_dataloader,
+        prepare_model,
+        print_gpu_memory_info,
+        resolve_parallel_mode,
+        setup_parallel_model,
+        unwrap_parallel_model,
+        validate_data_parallel_setup,
+    )
 
 __version__ = "0.1.0"
 

@@ -37,17 +37,12 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from .errors import PREEMPTED_EXIT_CODE, TrainingPreempted  # re-exported: their home was here
 from .utils._collectives import check_collective_allowed, reduce_ints, side_group
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "TrainingPreempted", "SignalCatcher", "PreemptionMonitor"]
 
 log = logging.getLogger(__name__)
-
-#: Exit code of a process that stopped training because it was preempted and
-#: wrote a checkpoint first: ``EX_TEMPFAIL`` from ``sysexits.h``, "temporary
-#: failure, retry later". It differs from 143 (128 + SIGTERM), which a shell or
-#: scheduler reports for a process that the signal killed before it could save.
-PREEMPTED_EXIT_CODE = 75
 
 #: Signals that mean "save and stop" while ``train`` runs with a checkpoint directory.
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
@@ -55,40 +50,6 @@ PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
 #: About how many seconds of training pass between two preemption checks of a distributed run.
 CHECK_INTERVAL_S = 1.0
 _MAX_INTERVAL = 10_000  # steps; bounds the wait when steps are microseconds long
-
-
-class TrainingPreempted(SystemExit):
-    """Training stopped on a preemption signal after writing a checkpoint; raised on every rank.
-
-    A :class:`SystemExit` on purpose, not an error: left uncaught, the process
-    exits quietly with :data:`PREEMPTED_EXIT_CODE` (torchrun's ``@record``
-    re-raises it without writing an error file), and ``except Exception`` in
-    user code does not swallow it. Rerunning the same command with
-    ``resume="auto"`` continues from :attr:`checkpoint`.
-
-    Attributes:
-        checkpoint: The checkpoint written (or already on disk) for this stop.
-        epoch: The epoch in progress when training stopped (from 1).
-        batches: Batches of that epoch already trained (0: the epoch is complete).
-        signal_name: The signal that asked for the stop, e.g. ``"SIGTERM"``.
-
-    Example:
-        >>> exc = TrainingPreempted("ckpt/epoch-0002.ckpt", 2, 0, "SIGTERM")
-        >>> exc.code, isinstance(exc, Exception)
-        (75, False)
-    """
-
-    def __init__(self, checkpoint: str, epoch: int, batches: int, signal_name: str):
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.checkpoint, self.epoch, self.batches, self.signal_name = str(checkpoint), epoch, batches, signal_name
-
-    def __str__(self) -> str:
-        where = f"after {self.batches} batches of epoch {self.epoch}" if self.batches else f"after epoch {self.epoch}"
-        return (f"training preempted by {self.signal_name} {where}; wrote {self.checkpoint}; "
-                f"exit code {PREEMPTED_EXIT_CODE}: rerun the same command (resume='auto') to continue")
-
-    def __reduce__(self):
-        return (type(self), (self.checkpoint, self.epoch, self.batches, self.signal_name))
 
 
 def signal_name(signum: int) -> str:

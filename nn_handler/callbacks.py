@@ -24,7 +24,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from ._checks import check_choice, check_int, check_number, invalid
 from .utils.ddp import is_main_process
@@ -32,12 +32,48 @@ from .utils.ddp import is_main_process
 if TYPE_CHECKING:
     import torch
 
-    from .handler import NNHandler
+    from .history import History
 
-__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger"]
+__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TrainerView"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["min", "max"]
+
+
+@runtime_checkable
+class TrainerView(Protocol):
+    """What a callback may use of the trainer that calls it; :class:`~nn_handler.NNHandler` is one.
+
+    Hooks are typed against this view, not against the trainer's class, so
+    that this module never imports :mod:`nn_handler.handler` (which imports
+    this one). The attributes are those documented on ``NNHandler``.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    history: History
+    epoch: int
+    global_step: int
+    stop_training: bool
+    distributed: bool
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without its DDP wrapper."""
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on rank 0 (and in a single process)."""
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write a full training checkpoint (call it on every rank)."""
+
+    def save_model(self, path: str | os.PathLike) -> None:
+        """Write the model's weights."""
 
 
 class Callback:
@@ -56,35 +92,35 @@ class Callback:
         ...         self.n += 1
     """
 
-    def on_train_begin(self, handler: "NNHandler") -> None:
+    def on_train_begin(self, handler: TrainerView) -> None:
         """Before the first epoch of a :meth:`~NNHandler.train` call."""
 
-    def on_train_end(self, handler: "NNHandler") -> None:
+    def on_train_end(self, handler: TrainerView) -> None:
         """After the last epoch (also after an early stop); not called when training raised."""
 
-    def on_epoch_begin(self, handler: "NNHandler", epoch: int) -> None:
+    def on_epoch_begin(self, handler: TrainerView, epoch: int) -> None:
         """Before the first batch of ``epoch``."""
 
-    def on_epoch_end(self, handler: "NNHandler", epoch: int, logs: dict[str, Any]) -> None:
+    def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
         """After validation, the scheduler step and the History update of ``epoch``."""
 
-    def on_batch_begin(self, handler: "NNHandler", step: int) -> None:
+    def on_batch_begin(self, handler: TrainerView, step: int) -> None:
         """Before batch ``step`` (from 0 within the epoch) is moved to the device."""
 
-    def on_batch_end(self, handler: "NNHandler", step: int, loss: "torch.Tensor") -> None:
+    def on_batch_end(self, handler: TrainerView, step: int, loss: "torch.Tensor") -> None:
         """After batch ``step``; ``loss`` is this rank's detached loss tensor.
 
         Calling ``loss.item()`` here waits for the GPU on every batch; keep it
         for debugging.
         """
 
-    def on_validation_end(self, handler: "NNHandler", epoch: int, logs: dict[str, float]) -> None:
+    def on_validation_end(self, handler: TrainerView, epoch: int, logs: dict[str, float]) -> None:
         """After validation of ``epoch``; ``logs`` has ``val_loss`` and ``val_<metric>``."""
 
-    def on_save_checkpoint(self, handler: "NNHandler", payload: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, handler: TrainerView, payload: dict[str, Any]) -> None:
         """Before a checkpoint is written; may add entries to ``payload`` (plain values only)."""
 
-    def on_load_checkpoint(self, handler: "NNHandler", payload: dict[str, Any]) -> None:
+    def on_load_checkpoint(self, handler: TrainerView, payload: dict[str, Any]) -> None:
         """After a checkpoint was loaded with ``resume=True``."""
 
     def state_dict(self) -> dict[str, Any]:

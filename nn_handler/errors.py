@@ -2,7 +2,15 @@
 
 Configuration mistakes subclass :class:`ValueError`, execution failures
 subclass :class:`RuntimeError`, and everything subclasses
-:class:`NNHandlerError`, so callers can catch at the level they care about.
+:class:`NNHandlerError`, so callers can catch at the level they care about;
+the exceptions: :class:`TrainingPreempted` is a :class:`SystemExit` on
+purpose, and the helpers' errors keep the builtin base they always had
+(:class:`DistributedTimeoutError` an ``AssertionError``, :class:`RemoteFailure`,
+:class:`PayloadPicklingError` a ``TypeError``). Errors from another process
+carry its traceback as their ``__cause__`` (a :class:`RemoteTraceback`), so
+Python prints it above the local one. Other modules re-export the errors
+they raise, so every old import path keeps working.
+
 This module imports nothing from the package (and nothing heavy at all) so
 that spawned workers can load it cheaply.
 """
@@ -27,6 +35,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "MissingExtraError",
+    "RemoteTraceback",
+    "ExecutorTimeoutError",
+    "PayloadPicklingError",
+    "TrainingPreempted",
+    "PREEMPTED_EXIT_CODE",
+    "DistributedTimeoutError",
+    "RemoteFailure",
 ]
 
 
@@ -115,6 +130,40 @@ def _render(failures: tuple[RankFailure, ...], what: str) -> str:
     return "\n".join(lines)
 
 
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process.
+
+    Set as the ``__cause__`` of :class:`ParallelExecutionError` and
+    :class:`RankFailedError` (the trick of CPython's
+    ``concurrent.futures.process``), so that Python's own printer shows the
+    worker's traceback above the local one, joined by "The above exception
+    was the direct cause of the following exception". Never raised by itself.
+
+    Example:
+        >>> try:
+        ...     raise ParallelExecutionError([RankFailure(0, exc_type="ValueError", message="bad",
+        ...                                               traceback="Traceback ...\\nValueError: bad\\n")])
+        ... except ParallelExecutionError as err:
+        ...     type(err.__cause__).__name__, err.__cause__.tb
+        ('RemoteTraceback', 'Traceback ...\\nValueError: bad\\n')
+    """
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb.rstrip()}\n"""'
+
+
+def _remote_cause(failures: tuple[RankFailure, ...]) -> RemoteTraceback | None:
+    # The first failure with a traceback: failures come root cause first.
+    for f in failures:
+        if f.traceback:
+            return RemoteTraceback(f.traceback)
+    return None
+
+
 class ParallelExecutionError(NNHandlerError, RuntimeError):
     """A function run by a :class:`~nn_handler.ParallelExecutor` failed on one or more workers.
 
@@ -130,6 +179,8 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
         self.exceptions = dict(exceptions or {})
         self.function = function
         super().__init__(_render(self.failures, function))
+        # Set here, not at the raise: an error rebuilt from its records (unpickled) gets it too.
+        self.__cause__ = _remote_cause(self.failures)
 
     def __reduce__(self):
         # Exceptions with a custom __init__ do not unpickle by default; keep
@@ -139,6 +190,14 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
 
 class WorkerDiedError(ParallelExecutionError):
     """A worker process ended without raising (``os._exit``, a signal, the OOM killer)."""
+
+
+class ExecutorTimeoutError(ParallelExecutionError, TimeoutError):
+    """A call ran past the executor's ``timeout``; the stuck workers were replaced."""
+
+
+class PayloadPicklingError(TypeError):
+    """The arguments of a call could not be pickled (raised before anything is sent)."""
 
 
 class RankFailedError(NNHandlerError, RuntimeError):
@@ -175,6 +234,7 @@ class RankFailedError(NNHandlerError, RuntimeError):
         # from a user's exception type, super() could reach that type's own
         # __init__, whose signature we do not know.
         BaseException.__init__(self, self._text)
+        self.__cause__ = _remote_cause(self.failures)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -329,3 +389,63 @@ class CheckpointMismatchError(CheckpointError):
 
 class MissingExtraError(NNHandlerError, ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+#: Exit code of a process that stopped training because it was preempted and
+#: wrote a checkpoint first: ``EX_TEMPFAIL`` from ``sysexits.h``, "temporary
+#: failure, retry later". It differs from 143 (128 + SIGTERM), which a shell or
+#: scheduler reports for a process that the signal killed before it could save.
+PREEMPTED_EXIT_CODE = 75
+
+
+class TrainingPreempted(SystemExit):
+    """Training stopped on a preemption signal after writing a checkpoint; raised on every rank.
+
+    A :class:`SystemExit` on purpose, not an error: left uncaught, the process
+    exits quietly with :data:`PREEMPTED_EXIT_CODE` (torchrun's ``@record``
+    re-raises it without writing an error file), and ``except Exception`` in
+    user code does not swallow it. Rerunning the same command with
+    ``resume="auto"`` continues from :attr:`checkpoint`.
+
+    Attributes:
+        checkpoint: The checkpoint written (or already on disk) for this stop.
+        epoch: The epoch in progress when training stopped (from 1).
+        batches: Batches of that epoch already trained (0: the epoch is complete).
+        signal_name: The signal that asked for the stop, e.g. ``"SIGTERM"``.
+
+    Example:
+        >>> exc = TrainingPreempted("ckpt/epoch-0002.ckpt", 2, 0, "SIGTERM")
+        >>> exc.code, isinstance(exc, Exception)
+        (75, False)
+    """
+
+    def __init__(self, checkpoint: str, epoch: int, batches: int, signal_name: str):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.checkpoint, self.epoch, self.batches, self.signal_name = str(checkpoint), epoch, batches, signal_name
+
+    def __str__(self) -> str:
+        where = f"after {self.batches} batches of epoch {self.epoch}" if self.batches else f"after epoch {self.epoch}"
+        return (f"training preempted by {self.signal_name} {where}; wrote {self.checkpoint}; "
+                f"exit code {PREEMPTED_EXIT_CODE}: rerun the same command (resume='auto') to continue")
+
+    def __reduce__(self):
+        return (type(self), (self.checkpoint, self.epoch, self.batches, self.signal_name))
+
+
+class DistributedTimeoutError(AssertionError):
+    """:func:`nn_handler.testing.run_distributed`: some ranks did not finish in time (they were killed).
+
+    Attributes:
+        unfinished: The ranks that were still running.
+        results: What every rank returned or raised; ``None`` for the unfinished ones.
+    """
+
+    def __init__(self, message: str, unfinished: list[int], results: list):
+        super().__init__(message)
+        self.unfinished = unfinished
+        self.results = results
+
+
+class RemoteFailure(Exception):
+    """:func:`nn_handler.testing.run_distributed`: stands in for a rank's exception that could not come back as
+    itself, or for a rank that died."""

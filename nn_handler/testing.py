@@ -28,25 +28,9 @@ from typing import Any, Callable, Mapping
 
 import cloudpickle
 
+from .errors import DistributedTimeoutError, RemoteFailure  # re-exported: their home was here
+
 __all__ = ["run_distributed", "DistributedTimeoutError", "RemoteFailure"]
-
-
-class DistributedTimeoutError(AssertionError):
-    """Some ranks did not finish before the deadline (they were killed).
-
-    Attributes:
-        unfinished: The ranks that were still running.
-        results: What every rank returned or raised; ``None`` for the unfinished ones.
-    """
-
-    def __init__(self, message: str, unfinished: list[int], results: list):
-        super().__init__(message)
-        self.unfinished = unfinished
-        self.results = results
-
-
-class RemoteFailure(Exception):
-    """Stands in for a rank's exception that could not be sent back as itself, or a rank that died."""
 
 
 def _rank_main(payload: bytes, rank: int, env: dict, writer, init: bool, backend: str, pg_timeout: float) -> None:

@@ -11,6 +11,8 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
+import typing
 import warnings
 
 import pytest
@@ -285,6 +287,26 @@ def test_remote_exception_objects_and_tracebacks_are_kept():
     err = info.value
     assert set(err.exceptions) == {0, 1} and all(isinstance(e, ValueError) for e in err.exceptions.values())
     assert "raise ValueError" in err.failures[0].traceback and "--- remote traceback of rank 0 ---" in str(err)
+
+
+def test_the_remote_traceback_is_the_cause_of_the_error(pool):
+    with pytest.raises(ParallelExecutionError) as info:
+        pool.run(_raise_value_error)
+    text = "".join(traceback.format_exception(info.value))
+    cause, found, own = text.partition("The above exception was the direct cause of the following exception")
+    assert found, text
+    # The worker's frame, as Python prints it, above the caller's own traceback.
+    assert 'raise ValueError("bad value in worker")' in cause and "RemoteTraceback" in cause
+    assert "in _raise_value_error" in cause and "ParallelExecutionError" in own
+    back = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(back.__cause__, type(info.value.__cause__)) and str(back.__cause__) == str(info.value.__cause__)
+
+
+def test_a_worker_that_died_has_no_remote_traceback_to_show():
+    from nn_handler.errors import RankFailure
+
+    err = WorkerDiedError([RankFailure(rank=0, device="cpu", message="worker died (exit code 3)", exitcode=3)])
+    assert err.__cause__ is None and "direct cause" not in "".join(traceback.format_exception(err))
 
 
 def test_death_is_reported_while_other_workers_still_run_and_worker_restarts():
@@ -806,6 +828,17 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
         parallelize_on_gpus(device_ids=CPU2, keep_alive=-1)
     with pytest.raises(ConfigurationError, match="num_gpus must be an int >= 1 or None"):
         parallelize_on_gpus(num_gpus=0)
+
+
+def test_decorator_is_typed_with_the_functions_parameters():
+    # A type checker sees `f(x: int) -> float` decorated as `(x: int) -> list[float]` with .shutdown().
+    P, R, typed = _executor.P, _executor.R, _executor.ParallelFunction
+    bare, configured = (typing.get_type_hints(o)["return"] for o in typing.get_overloads(parallelize_on_gpus))
+    assert bare == typed[P, R]
+    assert configured == typing.Callable[[typing.Callable[P, R]], typed[P, R]]
+    call = typing.get_type_hints(typed.__call__)
+    assert (call["args"], call["kwargs"], call["return"]) == (P.args, P.kwargs, list[R])
+    assert "shutdown" in dir(typed)
 
 
 # ----------------------------------------------------------------------------- the caller goes away

@@ -181,6 +181,24 @@ def test_callback_hooks_run_in_order(data):
                      "epoch_end1", "train_end"]
 
 
+def test_callbacks_see_the_handler_through_the_trainer_view(data):
+    from nn_handler.callbacks import TrainerView
+
+    seen = []
+
+    class Typed(Callback):
+        def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict) -> None:
+            seen.append(isinstance(handler, TrainerView))
+
+    handler = make_handler(callbacks=[Typed()])
+    handler.set_train_loader((data[0][:16], data[1][:16]), batch_size=BATCH)
+    handler.train(1, progress=False)
+    assert seen == [True]  # the handler has every attribute and method the view promises
+    # What the built-in and the documented callbacks use of the trainer is in the view.
+    members = set(dir(TrainerView)) | set(TrainerView.__annotations__)
+    assert {"stop_training", "history", "save_checkpoint", "global_step", "module", "epoch"} <= members
+
+
 def test_progress_bar_on_main_process(capsys, data):
     X, y, _, _ = data
     handler = make_handler()

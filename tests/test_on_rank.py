@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import traceback
 
 import pytest
 import torch
@@ -297,6 +298,25 @@ def test_a_relayed_rank_failed_error_keeps_the_root_type():
     assert type(outer) is type(inner)
 
 
+def _formatted(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, None])
+def test_the_remote_traceback_is_the_cause(exc_type):
+    remote = 'Traceback (most recent call last):\n  File "train.py", line 3, in save\n    raise ValueError("bad")\nValueError: bad\n'
+    err = RankFailedError.create("save", [_failure(1, traceback=remote)], exc_type)
+    for e in (err, pickle.loads(pickle.dumps(err))):  # rebuilt with its cause on the receiving side too
+        try:
+            raise e
+        except RankFailedError as caught:
+            text = _formatted(caught)
+        assert "The above exception was the direct cause of the following exception" in text
+        cause, _, own = text.partition("direct cause")
+        assert 'File "train.py", line 3, in save' in cause and "RemoteTraceback" in cause
+        assert own.count("RankFailedError") >= 1 and str(e) == str(err)
+
+
 # ---------------------------------------------------------------- real gloo groups
 
 
@@ -431,8 +451,15 @@ def _failures(rank, world):
         except ValueError:
             return "caught as ValueError"
 
+    def zero_formatted():
+        try:
+            fails_on_zero()
+        except ValueError as exc:
+            return "".join(traceback.format_exception(exc))
+
     return {
         "zero": _caught(fails_on_zero),
+        "zero formatted": zero_formatted(),
         "except": _caught(except_value_error),
         "last": _caught(fails_on_last_with_barrier),
         "both": _caught(fails_on_both),
@@ -460,6 +487,8 @@ def test_a_failure_raises_on_every_rank(world):
             assert text.startswith("_failures.<locals>.fails_on_zero failed on rank 0 (cpu, pid ")
             assert "ValueError: bad value on zero" in text
             assert 'raise ValueError("bad value on zero")' in text  # the remote traceback
+            cause, _, own = r["zero formatted"].partition("The above exception was the direct cause")
+            assert 'raise ValueError("bad value on zero")' in cause and "RemoteTraceback" in cause, r["zero formatted"]
         assert r["except"] == ("returned", "caught as ValueError")
 
         kind, name, mro, text, ranks = r["last"]

@@ -9,7 +9,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, ParamSpec, Protocol, Sequence, TypeVar, cast, overload
 
 import cloudpickle
 
@@ -21,6 +21,7 @@ from ._worker import worker_state
 
 __all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError", "worker_state"]
 
+P = ParamSpec("P")
 R = TypeVar("R")
 
 
@@ -337,9 +338,28 @@ class _WarmPools:
 _warm_pools = _WarmPools()
 
 
+class ParallelFunction(Protocol[P, R]):
+    """What :func:`parallelize_on_gpus` returns: the function, giving one result per device, and ``shutdown``."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
+
+    def shutdown(self) -> None:
+        """End the warm pool now instead of after ``keep_alive`` idle seconds."""
+
+
+@overload
+def parallelize_on_gpus(num_gpus: Callable[P, R]) -> ParallelFunction[P, R]: ...
+
+
+@overload
 def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60):
+                        keep_alive: float = 60) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
+
+
+def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
+                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                        keep_alive: float = 60) -> Any:
     """Run the decorated function on every GPU at once; the call returns one result per GPU.
 
     Repeated calls reuse one warm pool, shut down after ``keep_alive`` idle
@@ -352,6 +372,12 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
         device_ids: Which devices, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
         timeout: Seconds per call.
         keep_alive: Idle seconds before the warm pool shuts down.
+
+    Returns:
+        The decorator (used bare: the decorated function). The decorated
+        function takes ``func``'s arguments (typed with its ``ParamSpec``)
+        and returns a list of its results, one per device; its
+        ``shutdown()`` ends the warm pool now.
 
     Example:
         >>> @parallelize_on_gpus(device_ids=["cpu", "cpu"])
@@ -368,7 +394,7 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
     devices = tuple(_worker_devices(num_gpus, device_ids))
     _check_timeout(timeout)
 
-    def decorate(func: Callable[..., R]) -> Callable[..., list[R]]:
+    def decorate(func: Callable[P, R]) -> ParallelFunction[P, R]:
         if not callable(func):
             raise TypeError(f"parallelize_on_gpus decorates a callable, got {type(func).__name__}")
 
@@ -380,7 +406,7 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
         key = (devices, pass_device, timeout)
 
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> list[R]:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> list[R]:
             if keep_alive == 0:
                 with make() as executor:
                     return executor.run(func, *args, **kwargs)
@@ -393,6 +419,6 @@ def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *
         # Ends the warm pool now instead of after keep_alive idle seconds (it is
         # shared with other functions decorated with the same devices).
         wrapper.shutdown = lambda: _warm_pools.close(key)  # type: ignore[attr-defined]
-        return wrapper
+        return cast("ParallelFunction[P, R]", wrapper)
 
     return decorate

@@ -40,7 +40,14 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from ..errors import ParallelExecutionError, RankFailure, WorkerDiedError, describe_exit
+from ..errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
+    ExecutorTimeoutError,
+    ParallelExecutionError,
+    PayloadPicklingError,
+    RankFailure,
+    WorkerDiedError,
+    describe_exit,
+)
 from . import _transport
 from ._worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
 
@@ -63,14 +70,6 @@ def _context():
         ctx.set_forkserver_preload(["torch", "nn_handler.utils._worker"])
         return ctx
     return mp.get_context("spawn")
-
-
-class PayloadPicklingError(TypeError):
-    """The arguments of a call could not be pickled (raised before anything is sent)."""
-
-
-class ExecutorTimeoutError(ParallelExecutionError, TimeoutError):
-    """A call ran past the executor's ``timeout``; the stuck workers were replaced."""
 
 
 @dataclass

@@ -1,0 +1,276 @@
+"""The package's shape: an import graph without cycles, a light worker child, and every public name kept.
+
+The graph is read from the source with ``ast`` (nothing is run). It counts the
+imports a module runs when it is imported: those at module level, in
+``if``/``try`` blocks and class bodies; imports inside functions run on first
+use and are the sanctioned way to defer a heavy or circular dependency, so they
+are left out. Imports under ``if TYPE_CHECKING:`` count for cycles (a type
+checker follows them, and a cycle there is still two modules that know each
+other) but not for what importing a module loads at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+PACKAGE = REPO / "nn_handler"
+
+# Loaded only by the trainer and the model helpers: a worker child needs none of them.
+NOT_IN_A_WORKER = {
+    "nn_handler.handler",
+    "nn_handler.callbacks",
+    "nn_handler.checkpoint",
+    "nn_handler.history",
+    "nn_handler._training",
+    "nn_handler._preemption",
+    "nn_handler.utils._wrap",
+    "nn_handler.utils._data_parallel",
+    "nn_handler.utils._predict",
+    "nn_handler.utils._placement",
+    "nn_handler.utils._reports",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+        or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_time_nodes(tree: ast.Module, type_checking: bool):
+    """Import statements that run when the module is imported (not those inside functions)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif _is_type_checking(node) and not type_checking:
+            stack.extend(node.orelse)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
+    """``{module: the nn_handler modules it imports}`` for every module of the package.
+
+    ``type_checking=False``: only what runs, without the ``if TYPE_CHECKING:`` imports.
+    """
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        edges = graph.setdefault(name, set())
+        for node in _import_time_nodes(ast.parse(path.read_text(), str(path)), type_checking):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = name.split(".")
+                    base = base[: len(base) - node.level + (1 if is_package else 0)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                # `from . import _transport` imports a module; `from .errors import X` a name of one.
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in node.names]
+            edges.update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path) per strongly connected component with more than one module (Tarjan)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    """What importing ``start`` loads: its imports, theirs, and the packages above each of them."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # importing a.b runs a/__init__ first
+        todo.extend(graph.get(module, ()))
+    return seen
+
+
+# ----------------------------------------------------------------------------- import graph (ast, no running)
+def test_the_import_graph_reads_relative_and_type_checking_imports():
+    graph = import_graph()
+    assert "nn_handler.errors" in graph["nn_handler.utils._worker"]
+    assert "nn_handler.utils._transport" in graph["nn_handler.utils._worker"]  # `from . import _transport`
+    assert "nn_handler.utils.ddp" in graph["nn_handler.utils._collectives"]
+    assert "nn_handler.history" in graph["nn_handler.callbacks"]  # under TYPE_CHECKING
+    assert "nn_handler.history" not in import_graph(type_checking=False)["nn_handler.callbacks"]
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = _cycles(import_graph())
+    assert not cycles, "modules that import each other (directly or around a circle): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_callbacks_never_import_the_trainer():
+    assert "nn_handler.handler" not in import_graph()["nn_handler.callbacks"]  # not even under TYPE_CHECKING
+    assert "nn_handler.handler" not in _closure(import_graph(type_checking=False), "nn_handler.callbacks")
+
+
+def test_errors_import_nothing_from_the_package():
+    assert import_graph()["nn_handler.errors"] == set()
+
+
+@pytest.mark.parametrize("start", ["nn_handler", "nn_handler.utils._worker"])
+def test_the_package_face_and_the_worker_child_import_no_trainer_or_model_helpers(start):
+    loaded = _closure(import_graph(type_checking=False), start)
+    assert not loaded & NOT_IN_A_WORKER, f"importing {start} loads {sorted(loaded & NOT_IN_A_WORKER)}"
+
+
+# ----------------------------------------------------------------------------- a real worker child
+@pytest.mark.timeout(120)
+def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
+    from nn_handler import ParallelExecutor
+
+    def loaded_modules():  # defined here so that it travels by value and imports nothing of ours
+        import sys
+
+        return sorted(m for m in sys.modules if m == "nn_handler" or m.startswith("nn_handler."))
+
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=90) as ex:
+        [loaded] = ex.run(loaded_modules)
+    assert "nn_handler.utils._worker" in loaded  # it really ran in a worker
+    assert not set(loaded) & NOT_IN_A_WORKER, f"a worker child loaded {loaded}"
+
+
+# ----------------------------------------------------------------------------- the public names stay
+# Each public module's __all__ as of issue 15 (plus the seed's aliases), written out so that none can vanish.
+PUBLIC_NAMES = {
+    "nn_handler": [
+        "__version__", "NNHandlerError", "LaunchEnvironmentError", "DeviceError", "ParallelExecutionError",
+        "WorkerDiedError", "RankFailedError", "ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError",
+        "worker_state", "initialize_ddp", "resolve_device", "should_use_distributed", "get_rank", "get_local_rank",
+        "get_world_size", "is_distributed", "is_main_process", "barrier", "cleanup_ddp", "find_free_port",
+        "on_rank", "main_process_first", "any_rank", "all_ranks", "parallel_on_all_devices", "ConfigurationError",
+        "MultiGPUConfig", "MultiGPUMode", "resolve_parallel_mode", "prepare_model", "prepare_dataloader",
+        "unwrap_parallel_model", "setup_parallel_model", "parallelize_if_available", "get_device_count",
+        "is_parallel_available", "get_gpu_memory_info", "print_gpu_memory_info", "get_gpu_stats",
+        "get_recommended_batch_size", "dispatch_model", "plan_device_map", "parallel_predict",
+        "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "History", "Callback",
+        "EarlyStopping", "ModelCheckpoint", "CSVLogger", "NonFiniteLossError", "CheckpointError",
+        "CheckpointMismatchError", "MissingExtraError", "TrainingPreempted", "PREEMPTED_EXIT_CODE",
+    ],
+    "nn_handler.utils.ddp": [
+        "initialize_ddp", "resolve_device", "should_use_distributed", "get_rank", "get_local_rank",
+        "get_world_size", "is_distributed", "is_main_process", "barrier", "cleanup_ddp", "find_free_port",
+        "detect_launch_env", "LaunchEnv", "_should_use_distributed", "_resolve_device",
+    ],
+    "nn_handler.utils.ddp_decorators": [
+        "on_rank", "main_process_first", "any_rank", "all_ranks", "parallel_on_all_devices", "ParallelExecutor",
+        "parallelize_on_gpus", "ExecutorTimeoutError", "worker_state",
+    ],
+    "nn_handler.utils.parallel": [
+        "MultiGPUMode", "MultiGPUConfig", "resolve_parallel_mode", "prepare_model", "prepare_dataloader",
+        "unwrap_parallel_model", "get_device_count", "is_parallel_available", "get_gpu_memory_info",
+        "print_gpu_memory_info", "get_gpu_stats", "get_recommended_batch_size", "setup_parallel_model",
+        "parallelize_if_available", "dispatch_model", "plan_device_map", "parse_memory_size", "DEVICE_MAP_ATTR",
+        "parallel_predict", "get_data_parallel_info", "validate_data_parallel_setup",
+    ],
+    "nn_handler.errors": [
+        "NNHandlerError", "LaunchEnvironmentError", "DeviceError", "ConfigurationError", "RankFailure",
+        "ParallelExecutionError", "WorkerDiedError", "RankFailedError", "NonFiniteLossError", "CheckpointError",
+        "CheckpointMismatchError", "MissingExtraError",
+    ],
+    "nn_handler.callbacks": ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger"],
+    "nn_handler.checkpoint": [
+        "FORMAT", "atomic_save", "load_payload", "load_weights", "state_dict_diff", "capture_rng_state",
+        "restore_rng_state", "list_checkpoints", "is_temp_file", "run_checkpoint_name", "run_checkpoint_key",
+        "UNNAMED_RUN", "run_info", "read_run_info", "RunCheckpoint", "scan_run_checkpoints", "list_run_checkpoints",
+        "prune_run_checkpoints", "remove_stale_temp_files",
+    ],
+    "nn_handler.testing": ["run_distributed", "DistributedTimeoutError", "RemoteFailure"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))
+def test_every_public_module_keeps_every_name(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in PUBLIC_NAMES[module] if not hasattr(mod, name)]
+    assert not missing, f"{module} lost {missing}"
+    if hasattr(mod, "__all__"):
+        assert set(PUBLIC_NAMES[module]) - set(mod.__all__) <= {"_should_use_distributed", "_resolve_device"}
+
+
+def test_package_names_are_the_objects_of_their_home_modules():
+    import nn_handler
+    from nn_handler import callbacks, errors, handler, history
+    from nn_handler.utils import ddp, ddp_decorators, parallel
+
+    assert nn_handler.NNHandler is handler.NNHandler and nn_handler.History is history.History
+    assert nn_handler.EarlyStopping is callbacks.EarlyStopping and nn_handler.RankFailedError is errors.RankFailedError
+    assert nn_handler.on_rank is ddp_decorators.on_rank
+    assert nn_handler.parallelize_on_gpus is ddp_decorators.parallelize_on_gpus
+    assert nn_handler.initialize_ddp is ddp.initialize_ddp and nn_handler.prepare_model is parallel.prepare_model
+    assert set(nn_handler.__all__) <= set(dir(nn_handler))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        nn_handler.not_a_name  # noqa: B018
+
+
+def test_every_public_exception_lives_in_errors():
+    from nn_handler import errors
+
+    public = {}
+    for module in PUBLIC_NAMES:
+        mod = importlib.import_module(module)
+        for name in getattr(mod, "__all__", ()):
+            obj = getattr(mod, name)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                public[f"{module}.{name}"] = obj
+    for module in ("nn_handler.utils._pool", "nn_handler._preemption"):  # private homes of public errors
+        mod = importlib.import_module(module)
+        for name, obj in vars(mod).items():
+            if isinstance(obj, type) and issubclass(obj, BaseException) and not name.startswith("_"):
+                public[f"{module}.{name}"] = obj
+    elsewhere = sorted(where for where, cls in public.items() if cls.__module__ != "nn_handler.errors")
+    assert not elsewhere, f"public exceptions defined outside nn_handler.errors: {elsewhere}"
+    assert all(getattr(errors, cls.__name__) is cls for cls in public.values())
