@@ -45,6 +45,28 @@ def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def pids_alive(pids) -> list[int]:
+    """The pids in ``pids`` that are running (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of ``proc`` (started with ``start_new_session=True``) and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
 def parse_results(output: str) -> list[dict]:
     """Rows printed as ``RESULT {json}`` by the launched scripts, sorted by rank."""
     # Ranks share one stdout, so lines may interleave: match the flat JSON objects.

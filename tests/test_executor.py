@@ -18,24 +18,12 @@ import warnings
 import pytest
 import torch
 
-from helpers import run_command
+from helpers import kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
 from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils import _executor
 
 CPU2 = ["cpu", "cpu"]
-
-
-def _pids_alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
 
 
 def _shm_files() -> list[str]:
@@ -50,7 +38,7 @@ def pool(request):
     request.config._nn_handler_session_pids = set(pids)
     yield executor
     executor.shutdown()
-    assert not _pids_alive(pids)
+    assert not pids_alive(pids)
 
 
 # ----------------------------------------------------------------------------- happy paths
@@ -324,7 +312,7 @@ def test_death_is_reported_while_other_workers_still_run_and_worker_restarts():
         new_pids = ex.run(lambda device: os.getpid())
         # the dead one restarted; the survivor's share of the failed call was stopped with it
         assert new_pids[0] != pids[0] and new_pids[1] != pids[1]
-        assert not _pids_alive(pids)
+        assert not pids_alive(pids)
 
 
 def test_map_worker_killed_mid_call():
@@ -354,7 +342,7 @@ def test_timeout_raises_and_replaces_the_stuck_worker():
         assert "rank 0" in str(info.value) and "3s timeout" in str(info.value)
         new_pids = ex.run(lambda device: os.getpid())
         assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
-        assert not _pids_alive([pids[0]])
+        assert not pids_alive([pids[0]])
 
 
 def test_initializer_failure_raises_and_leaves_nothing():
@@ -371,7 +359,7 @@ def test_exception_in_with_block_ends_workers():
         with ParallelExecutor(device_ids=CPU2) as ex:
             pids = ex.run(lambda device: os.getpid())
             raise KeyError("user error")
-    assert not _pids_alive(pids)
+    assert not pids_alive(pids)
 
 
 def test_dropped_executor_is_cleaned_up():
@@ -381,7 +369,7 @@ def test_dropped_executor_is_cleaned_up():
     import gc
 
     gc.collect()
-    assert not _pids_alive(pids)
+    assert not pids_alive(pids)
 
 
 def test_using_a_shut_down_executor_is_a_clear_error():
@@ -397,9 +385,9 @@ def test_using_a_shut_down_executor_is_a_clear_error():
 # nothing may be left behind (processes: the autouse fixture; /dev/shm: here).
 def _wait_dead(pid, within=10.0):
     deadline = time.monotonic() + within
-    while _pids_alive([pid]) and time.monotonic() < deadline:
+    while pids_alive([pid]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not _pids_alive([pid]), f"pid {pid} still alive"
+    assert not pids_alive([pid]), f"pid {pid} still alive"
 
 
 def _exit_from_a_thread_once_idle(device):
@@ -436,7 +424,7 @@ def test_worker_that_ends_after_replying_is_replaced_before_the_next_call(how):
             pids = ex.run(lambda device: os.getpid())  # at once: no sleep to let the old ones go
             assert len(pids) == 2
             if how == "sys-exit":  # reported as ending: replaced before the next call, every time
-                assert not set(pids) & set(ended) and not _pids_alive(ended)
+                assert not set(pids) & set(ended) and not pids_alive(ended)
         for pid in ended:
             _wait_dead(pid)
         assert len(ex.run(lambda device: os.getpid())) == 2
@@ -465,7 +453,7 @@ def test_worker_that_dies_after_the_liveness_check_gets_a_replacement(how):
         def kill_first(pids):
             if how == "dead-before-the-write":
                 os.kill(pids[0], signal.SIGKILL)
-                while _pids_alive([pids[0]]):
+                while pids_alive([pids[0]]):
                     time.sleep(0.01)  # a zombie now: its pipe is closed, nobody has reaped it yet
             else:
                 # Frozen now, killed once the call's message sits unread in its pipe.
@@ -569,7 +557,7 @@ def test_worker_killed_while_it_receives_a_large_argument():
         finally:
             stop.set()
             killer.join()
-        assert not _pids_alive([pids[0]])
+        assert not pids_alive([pids[0]])
         new = ex.run(lambda device: os.getpid())
         assert new[0] != pids[0]
     assert _shm_files() == []
@@ -585,7 +573,7 @@ def test_large_argument_to_a_frozen_worker_respects_the_timeout():
         with pytest.raises(TimeoutError, match=r"_size died on rank 0 .*had not taken the call's arguments within the 3s timeout; worker replaced"):
             ex.run(_size, big)
         assert time.monotonic() - begin < 3 + 10
-        assert not _pids_alive([pids[0]])
+        assert not pids_alive([pids[0]])
         assert ex.run(_size, b"abc") == [3, 3]
     assert _shm_files() == []
 
@@ -611,7 +599,7 @@ def test_worker_frozen_in_the_middle_of_a_large_reply_respects_the_timeout():
         with pytest.raises(TimeoutError, match=r"_freeze_while_replying died on rank 0 .*3s timeout.*replaced"):
             ex.run(_freeze_while_replying)
         assert time.monotonic() - begin < 3 + 10
-        assert not _pids_alive(pids)
+        assert not pids_alive(pids)
         assert ex.run(_size, b"abc") == [3]
     assert _shm_files() == []
 
@@ -784,12 +772,12 @@ def test_decorator_reuses_one_warm_pool():
         assert all(torch.equal(t, torch.tensor([2, 4, 6])) for _, t in second)
         assert where.__name__ == "where"
         where.shutdown()  # ends this pool now, not after keep_alive
-        assert not _pids_alive([p for p, _ in first]) and len(_executor._warm_pools) == 0
+        assert not pids_alive([p for p, _ in first]) and len(_executor._warm_pools) == 0
         third = where(torch.tensor([1]))  # and a later call starts a fresh one
         assert [p for p, _ in third] != [p for p, _ in first]
     finally:
         _executor._warm_pools.shutdown_all()
-    assert not _pids_alive([p for p, _ in third])
+    assert not pids_alive([p for p, _ in third])
 
 
 def test_decorator_keep_alive_zero_gives_a_fresh_pool_per_call():
@@ -798,7 +786,7 @@ def test_decorator_keep_alive_zero_gives_a_fresh_pool_per_call():
         return os.getpid()
 
     a, b = pid(), pid()
-    assert a != b and not _pids_alive(a + b)
+    assert a != b and not pids_alive(a + b)
     assert len(_executor._warm_pools) == 0
 
 
@@ -809,9 +797,9 @@ def test_decorator_pool_shuts_down_after_keep_alive():
 
     pids = pid()
     deadline = time.monotonic() + 20
-    while _pids_alive(pids) and time.monotonic() < deadline:
+    while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _pids_alive(pids) and len(_executor._warm_pools) == 0
+    assert not pids_alive(pids) and len(_executor._warm_pools) == 0
 
 
 def test_decorator_bare_and_bad_arguments(monkeypatch):
@@ -872,17 +860,13 @@ def test_caller_interrupted_or_killed_leaves_no_worker(tmp_path, how):
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while _pids_alive(pids) and time.monotonic() < deadline:
+        while pids_alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _pids_alive(pids), f"workers {pids} outlived their caller ({how})"
+        assert not pids_alive(pids), f"workers {pids} outlived their caller ({how})"
         if how == "sigint":
             assert "KeyboardInterrupt" in proc.stdout.read()
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        kill_group(proc)
 
 
 def test_missing_main_guard_gets_the_snippet(tmp_path):
@@ -1016,7 +1000,7 @@ _CTRL_C_CALLER = textwrap.dedent("""
 def _descendant_workers(pid: int) -> list[int]:
     from conftest import live_children
 
-    return _pids_alive(live_children(pid))
+    return pids_alive(live_children(pid))
 
 
 @pytest.mark.timeout(300)
@@ -1063,9 +1047,9 @@ def test_ctrl_c_at_any_moment_leaves_no_worker(tmp_path):
     def check_nothing_left(name, pids):
         read_until(f"AFTER {name}")
         deadline = time.monotonic() + 10
-        while (_descendant_workers(proc.pid) or _pids_alive(pids)) and time.monotonic() < deadline:
+        while (_descendant_workers(proc.pid) or pids_alive(pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = sorted(set(_descendant_workers(proc.pid)) | set(_pids_alive(pids)))
+        left = sorted(set(_descendant_workers(proc.pid)) | set(pids_alive(pids)))
         assert not left, f"Ctrl-C during {name}: workers {left} still alive while the caller lives"
         proc.stdin.write("\n")
         proc.stdin.flush()
@@ -1097,11 +1081,7 @@ def test_ctrl_c_at_any_moment_leaves_no_worker(tmp_path):
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0, "".join(seen)[-3000:]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        kill_group(proc)
     assert not _descendant_workers(proc.pid)
 
 
@@ -1130,7 +1110,7 @@ def test_interpreter_exit_with_a_daemon_thread_in_a_call_ends_the_workers():
     assert result.returncode == 0, result.stdout
     assert "MAIN RETURNS" in result.stdout
     pids = [int(p) for p in re.search(r"PIDS (.*)", result.stdout).group(1).split()]
-    assert len(pids) == 3 and not _pids_alive(pids)
+    assert len(pids) == 3 and not pids_alive(pids)
     assert time.monotonic() - start < 45
 
 
@@ -1217,7 +1197,7 @@ def test_failed_starts_leave_no_fd_and_shutdown_works(monkeypatch):
         with pytest.raises(OSError, match="Resource temporarily unavailable"):
             ex.start()
         ex.shutdown()  # no AttributeError
-        assert len(started) == attempt + 1 and not _pids_alive(started)  # the worker that did start is gone
+        assert len(started) == attempt + 1 and not pids_alive(started)  # the worker that did start is gone
         if attempt == 0:
             fds = _fds()
     assert _fds() == fds, "file descriptors leaked by failed starts"
@@ -1233,13 +1213,13 @@ def test_executor_inside_a_worker():
         assert [x for x, _, _ in inner] == [5, 5]
         inner_pids = [p for _, p, _ in inner]
         assert outer not in inner_pids and len(set(inner_pids)) == 2
-        assert not _pids_alive(inner_pids)  # the with block inside the worker ended them
+        assert not pids_alive(inner_pids)  # the with block inside the worker ended them
     # the worker's own forkserver ends with the worker
     servers = {server for _, _, server in inner}
     deadline = time.monotonic() + 10
-    while _pids_alive(servers) and time.monotonic() < deadline:
+    while pids_alive(servers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _pids_alive(servers | {outer})
+    assert not pids_alive(servers | {outer})
 
 
 _FORK_CALLER = textwrap.dedent("""
@@ -1313,14 +1293,10 @@ def test_busy_worker_ends_while_its_dead_caller_is_still_an_unreaped_zombie(tmp_
         worker = int(line.split()[1])
         os.kill(proc.pid, signal.SIGKILL)  # and not reaped: the caller stays a zombie
         deadline = time.monotonic() + 10
-        while _pids_alive([worker]) and time.monotonic() < deadline:
+        while pids_alive([worker]) and time.monotonic() < deadline:
             time.sleep(0.1)
         with open(f"/proc/{proc.pid}/stat") as f:
             assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # still unreaped
-        assert not _pids_alive([worker]), "the worker spins on while its caller is a zombie"
+        assert not pids_alive([worker]), "the worker spins on while its caller is a zombie"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        kill_group(proc)

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from helpers import run_command
+from helpers import kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutor, WorkerDiedError
 
 CPU2 = ["cpu", "cpu"]
@@ -26,18 +26,6 @@ CPU2 = ["cpu", "cpu"]
 def _files(pid: int, *dirs: str) -> list[str]:
     """The transport files of process ``pid`` in ``dirs`` (default /dev/shm)."""
     return sorted(f for d in (dirs or ("/dev/shm",)) for f in glob.glob(f"{d}/nnh-{pid}-*"))
-
-
-def _pids_alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
 
 
 def _wait_for(condition, timeout: float, what: str):
@@ -131,16 +119,12 @@ def test_killed_caller_leaves_no_files(tmp_path, request, what, sig, small_shm):
             os.kill(proc.pid, signal.SIGCONT)  # a stopped caller acts on SIGTERM once continued
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while (_files(proc.pid, *dirs) or _pids_alive(workers)) and time.monotonic() < deadline:
+        while (_files(proc.pid, *dirs) or pids_alive(workers)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _files(proc.pid, *dirs) == [], f"{before} outlived the caller"
-        assert not _pids_alive(workers), f"workers {workers} outlived their caller"
+        assert not pids_alive(workers), f"workers {workers} outlived their caller"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        kill_group(proc)
         for f in _files(proc.pid, *dirs):
             os.unlink(f)
 
