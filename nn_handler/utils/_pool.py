@@ -79,7 +79,6 @@ class _Slot:
     process: mp.process.BaseProcess | None = None
     conn: object = None
     incarnation: int = 0
-    owes: int | None = None  # call id of a reply still due from an abandoned call
     has_fn_for: int | None = None  # call id whose function this worker already holds
 
     @property
@@ -201,7 +200,7 @@ class WorkerPool:
                 mp.process._children.discard(process)
             child_conn.close()  # only the child holds its end: EOF once it dies
             slot.process, slot.conn = process, parent_conn
-            slot.owes = slot.has_fn_for = None
+            slot.has_fn_for = None
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
@@ -239,13 +238,14 @@ class WorkerPool:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             raise cls(failures, exceptions, function="worker start-up (initializer)")
 
-    def shutdown(self, *, wait: bool = True) -> None:
-        """Stop every worker; idempotent. Idle workers are asked to stop, busy ones are killed.
+    def shutdown(self, *, wait: bool = True, ask: bool = True) -> None:
+        """Stop every worker; idempotent. Between calls every worker is idle: each is asked to stop.
 
         Args:
             wait: Wait for a call running in another thread to end. ``False``
                 (at interpreter exit, where that thread may be a daemon that
                 never returns) kills its workers at once instead.
+            ask: ``False`` kills the workers without asking (:meth:`terminate`).
         """
         if os.getpid() != self._owner:
             self._forget()
@@ -261,7 +261,8 @@ class WorkerPool:
                 return
             try:
                 self._closed = True
-                self._stop_idle_workers()
+                if ask:
+                    self._stop_idle_workers()
             finally:
                 # Even when Ctrl-C ends the wait above: a second Ctrl-C must
                 # not leave a worker running (and the pool marked closed).
@@ -275,14 +276,14 @@ class WorkerPool:
     def _stop_idle_workers(self) -> None:
         """Ask idle workers to leave and give them a moment to do so."""
         for slot in self._slots:
-            if slot.alive and slot.owes is None:
+            if slot.alive:
                 try:
                     slot.conn.send_bytes(pickle.dumps((0, "stop", None, None)))
                 except OSError:
                     pass
         deadline = time.monotonic() + _STOP_GRACE
         for slot in self._slots:
-            if slot.alive and slot.owes is None:
+            if slot.alive:
                 slot.process.join(max(0.0, deadline - time.monotonic()))
 
     def _forget(self) -> None:
@@ -323,7 +324,7 @@ class WorkerPool:
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
-            slot.owes = slot.has_fn_for = None
+            slot.has_fn_for = None
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
     def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
@@ -622,9 +623,7 @@ class WorkerPool:
         if os.getpid() != self._owner:
             return self.shutdown()
         with self._lock, _sigint_deferred():  # a second Ctrl-C waits until they are gone
-            for slot in self._slots:
-                slot.owes = 0 if slot.alive else None  # busy or not: kill, don't ask
-            self.shutdown()
+            self.shutdown(ask=False)
 
 
 def _signal_kill(process) -> None:
