@@ -37,7 +37,7 @@ _LAZY = {
     ".utils.ddp_decorators": ("ParallelExecutor", "parallelize_on_gpus", "on_rank", "main_process_first",
                               "any_rank", "all_ranks", "parallel_on_all_devices"),
     # Where a worker's functions find it: the module every worker has already loaded.
-    ".utils._worker": ("worker_state",),
+    ".utils._workers.worker": ("worker_state",),
     ".utils.ddp": ("barrier", "cleanup_ddp", "find_free_port", "get_local_rank", "get_rank", "get_world_size",
                    "initialize_ddp", "is_distributed", "is_main_process", "resolve_device", "should_use_distributed"),
     ".utils.parallel": ("MultiGPUConfig", "MultiGPUMode", "get_device_count", "get_gpu_memory_info", "get_gpu_stats",
@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
     from .handler import NNHandler
     from .history import History
-    from .utils._worker import worker_state
+    from .utils._workers.worker import worker_state
     from .utils.ddp import (
         barrier,
         cleanup_ddp,

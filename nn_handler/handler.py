@@ -1348,7 +1348,7 @@ class NNHandler:
             >>> NNHandler.launch(body, nprocs=2)  # doctest: +SKIP
             2
         """
-        from ._launch import launch
+        from .utils._workers.launch import launch
 
         return launch(fn, args, kwargs, nprocs, timeout)
 

@@ -101,7 +101,7 @@ def run_distributed(
     Raises:
         DistributedTimeoutError: A rank did not finish in time.
     """
-    from nn_handler.utils._worker import main_module_hidden
+    from nn_handler.utils._workers.worker import main_module_hidden
     from nn_handler.utils.ddp import find_free_port
 
     payload = cloudpickle.dumps((fn, tuple(args)))

@@ -103,7 +103,7 @@ def _decorator(**kwargs):
 
 
 def _launch(nprocs):
-    from nn_handler import _launch
+    from nn_handler.utils._workers import launch as _launch
     return lambda: _launch.launch(print, (), {}, nprocs, None)
 
 

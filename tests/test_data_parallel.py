@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import nn_handler.utils._data_parallel as dp_module
+import nn_handler.utils._models.data_parallel as dp_module
 from nn_handler.errors import DeviceError
 from nn_handler.utils.ddp_decorators import parallel_on_all_devices
 

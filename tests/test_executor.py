@@ -21,7 +21,7 @@ import torch
 from helpers import kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
 from nn_handler.errors import ConfigurationError, DeviceError
-from nn_handler.utils import _executor
+from nn_handler.utils._workers import executor as _executor
 
 CPU2 = ["cpu", "cpu"]
 
@@ -667,7 +667,7 @@ def test_failed_call_stops_what_it_started_before_the_next_call(tmp_path, how):
 
 @pytest.mark.timeout(90)
 def test_initializer_that_hangs_past_the_timeout_is_a_timeout_error():
-    from nn_handler.utils._executor import ExecutorTimeoutError
+    from nn_handler.utils._workers.executor import ExecutorTimeoutError
 
     ex = ParallelExecutor(device_ids=CPU2, timeout=3, initializer=lambda device: time.sleep(120))
     begin = time.monotonic()
@@ -905,7 +905,7 @@ def test_script_fed_on_stdin_starts_its_workers(tmp_path):
 
 
 def test_main_module_hidden_restores_the_main_module():
-    from nn_handler.utils._worker import main_module_hidden
+    from nn_handler.utils._workers.worker import main_module_hidden
 
     main = sys.modules["__main__"]
     before = (getattr(main, "__file__", None), main.__spec__)

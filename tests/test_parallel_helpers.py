@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import nn_handler
-import nn_handler.utils._wrap as wrap
+import nn_handler.utils._models.wrap as wrap
 from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils.parallel import (
     get_device_count,
@@ -96,7 +96,7 @@ def test_recommended_batch_size(monkeypatch, clean_env, n, scale, expected):
 def test_recommended_batch_size_default_and_ddp(monkeypatch, clean_env):
     fake_gpus(monkeypatch, 4)
     assert get_recommended_batch_size() == 4
-    import nn_handler.utils._reports as reports
+    import nn_handler.utils._models.reports as reports
 
     monkeypatch.setattr(reports, "is_distributed", lambda: True)
     assert get_recommended_batch_size(8) == 8  # each DDP process feeds its own GPU

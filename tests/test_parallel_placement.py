@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import nn_handler.utils._placement as placement
+import nn_handler.utils._models.placement as placement
 from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils.parallel import DEVICE_MAP_ATTR, dispatch_model, parse_memory_size, plan_device_map
 

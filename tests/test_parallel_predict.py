@@ -116,7 +116,7 @@ class _ThreadNames(Dataset):
 def test_loader_threads_load_ahead_in_order():
     from concurrent.futures import ThreadPoolExecutor
 
-    from nn_handler.utils._predict import _batches
+    from nn_handler.utils._models.predict import _batches
 
     with ThreadPoolExecutor(2, thread_name_prefix="nn_handler-load") as pool:
         state = {"data": _ThreadNames(), "batch_size": 4, "collate_fn": list, "loader_pool": pool}

@@ -14,7 +14,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-import nn_handler.utils._wrap as wrap
+import nn_handler.utils._models.wrap as wrap
 from nn_handler.errors import ConfigurationError, DeviceError, NNHandlerError
 from nn_handler.testing import run_distributed
 from nn_handler.utils.parallel import (

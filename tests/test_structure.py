@@ -30,11 +30,11 @@ NOT_IN_A_WORKER = {
     "nn_handler.history",
     "nn_handler._training",
     "nn_handler._preemption",
-    "nn_handler.utils._wrap",
-    "nn_handler.utils._data_parallel",
-    "nn_handler.utils._predict",
-    "nn_handler.utils._placement",
-    "nn_handler.utils._reports",
+    "nn_handler.utils._models.wrap",
+    "nn_handler.utils._models.data_parallel",
+    "nn_handler.utils._models.predict",
+    "nn_handler.utils._models.placement",
+    "nn_handler.utils._models.reports",
 }
 
 
@@ -139,8 +139,8 @@ def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
 # ----------------------------------------------------------------------------- import graph (ast, no running)
 def test_the_import_graph_reads_relative_and_type_checking_imports():
     graph = import_graph()
-    assert "nn_handler.errors" in graph["nn_handler.utils._worker"]
-    assert "nn_handler.utils._transport" in graph["nn_handler.utils._worker"]  # `from . import _transport`
+    assert "nn_handler.errors" in graph["nn_handler.utils._workers.worker"]
+    assert "nn_handler.utils._workers.transport" in graph["nn_handler.utils._workers.worker"]  # `from . import _transport`
     assert "nn_handler.utils.ddp" in graph["nn_handler.utils._collectives"]
     assert "nn_handler.history" in graph["nn_handler.callbacks"]  # under TYPE_CHECKING
     assert "nn_handler.history" not in import_graph(type_checking=False)["nn_handler.callbacks"]
@@ -161,7 +161,7 @@ def test_errors_import_nothing_from_the_package():
     assert import_graph()["nn_handler.errors"] == set()
 
 
-@pytest.mark.parametrize("start", ["nn_handler", "nn_handler.utils._worker"])
+@pytest.mark.parametrize("start", ["nn_handler", "nn_handler.utils._workers.worker"])
 def test_the_package_face_and_the_worker_child_import_no_trainer_or_model_helpers(start):
     loaded = _closure(import_graph(type_checking=False), start)
     assert not loaded & NOT_IN_A_WORKER, f"importing {start} loads {sorted(loaded & NOT_IN_A_WORKER)}"
@@ -179,7 +179,7 @@ def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
 
     with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=90) as ex:
         [loaded] = ex.run(loaded_modules)
-    assert "nn_handler.utils._worker" in loaded  # it really ran in a worker
+    assert "nn_handler.utils._workers.worker" in loaded  # it really ran in a worker
     assert not set(loaded) & NOT_IN_A_WORKER, f"a worker child loaded {loaded}"
 
 
@@ -266,7 +266,7 @@ def test_every_public_exception_lives_in_errors():
             obj = getattr(mod, name)
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 public[f"{module}.{name}"] = obj
-    for module in ("nn_handler.utils._pool", "nn_handler._preemption"):  # private homes of public errors
+    for module in ("nn_handler.utils._workers.pool", "nn_handler._preemption"):  # private homes of public errors
         mod = importlib.import_module(module)
         for name, obj in vars(mod).items():
             if isinstance(obj, type) and issubclass(obj, BaseException) and not name.startswith("_"):

@@ -20,9 +20,9 @@ Example:
 
 from __future__ import annotations
 
-from ._placement import DEVICE_MAP_ATTR, dispatch_model, parse_memory_size, plan_device_map
-from ._predict import get_data_parallel_info, parallel_predict, validate_data_parallel_setup
-from ._reports import (
+from ._models.placement import DEVICE_MAP_ATTR, dispatch_model, parse_memory_size, plan_device_map
+from ._models.predict import get_data_parallel_info, parallel_predict, validate_data_parallel_setup
+from ._models.reports import (
     get_device_count,
     get_gpu_memory_info,
     get_gpu_stats,
@@ -30,7 +30,7 @@ from ._reports import (
     is_parallel_available,
     print_gpu_memory_info,
 )
-from ._wrap import (
+from ._models.wrap import (
     MultiGPUConfig,
     MultiGPUMode,
     parallelize_if_available,

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from ..errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
+from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
     ExecutorTimeoutError,
     ParallelExecutionError,
     PayloadPicklingError,
@@ -48,8 +48,8 @@ from ..errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exporte
     WorkerDiedError,
     describe_exit,
 )
-from . import _transport
-from ._worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
+from . import transport as _transport
+from .worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
 
 _pool_ids = itertools.count()
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -67,7 +67,7 @@ def _context():
         _forkserver_user = os.getpid()
         ctx = mp.get_context("forkserver")
         # Only takes effect if this process has not started its forkserver yet.
-        ctx.set_forkserver_preload(["torch", "nn_handler.utils._worker"])
+        ctx.set_forkserver_preload(["torch", "nn_handler.utils._workers.worker"])
         return ctx
     return mp.get_context("spawn")
 

@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterable, ParamSpec, Protocol, Sequence, TypeV
 
 import cloudpickle
 
-from .._checks import check_int, check_number
-from ..errors import DeviceError
-from ._devices import cuda_count, parse_device_ids
-from ._pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
-from ._worker import worker_state
+from ..._checks import check_int, check_number
+from ...errors import DeviceError
+from .._devices import cuda_count, parse_device_ids
+from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+from .worker import worker_state
 
 __all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError", "worker_state"]
 

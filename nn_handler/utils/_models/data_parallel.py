@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn import DataParallel
 
-from .._tree import tensors
-from ..errors import DeviceError
-from ._devices import cuda_count, parse_device_ids
+from ..._tree import tensors
+from ...errors import DeviceError
+from .._devices import cuda_count, parse_device_ids
 
 __all__ = ["parallel_on_all_devices"]
 

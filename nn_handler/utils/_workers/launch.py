@@ -14,16 +14,16 @@ from typing import Any, Callable
 
 import torch
 
-from ._checks import check_int
-from .utils._devices import cuda_count
-from .utils.ddp import find_free_port
+from ..._checks import check_int
+from .._devices import cuda_count
+from ..ddp import find_free_port
 
 __all__ = ["launch"]
 
 
 def _join_group(devices: list[str], port: int, device: torch.device) -> None:
-    from .utils._worker import worker_index
-    from .utils.ddp import initialize_ddp
+    from .worker import worker_index
+    from ..ddp import initialize_ddp
 
     # The worker's position in the pool is its rank, and on GPUs also the
     # position of the GPU the pool pinned it to, so LOCAL_RANK names that GPU.
@@ -46,7 +46,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.d
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
     """Run ``fn(*args, **kwargs)`` on a fresh local process group of ``nprocs`` ranks; rank 0's result."""
-    from .utils.ddp_decorators import ParallelExecutor
+    from .executor import ParallelExecutor
 
     gpus = cuda_count()
     if nprocs is None:

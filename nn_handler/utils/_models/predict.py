@@ -34,13 +34,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from .._checks import check_int
-from .._tree import combine, detach_cpu, to_device
-from ..errors import ConfigurationError
-from ._executor import ParallelExecutor
-from ._placement import DEVICE_MAP_ATTR
-from ._wrap import unwrap_parallel_model
-from ._devices import cuda_count, split_device_ids
+from ..._checks import check_int
+from ..._tree import combine, detach_cpu, to_device
+from ...errors import ConfigurationError
+from .._workers.executor import ParallelExecutor
+from .placement import DEVICE_MAP_ATTR
+from .wrap import unwrap_parallel_model
+from .._devices import cuda_count, split_device_ids
 
 __all__ = ["parallel_predict", "get_data_parallel_info", "validate_data_parallel_setup"]
 

@@ -16,10 +16,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .._checks import check_choice, invalid
-from .._tree import to_device
-from ..errors import ConfigurationError
-from ._devices import cuda_count, parse_device
+from ..._checks import check_choice, invalid
+from ..._tree import to_device
+from ...errors import ConfigurationError
+from .._devices import cuda_count, parse_device
 
 __all__ = ["plan_device_map", "dispatch_model", "parse_memory_size", "DEVICE_MAP_ATTR"]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .._checks import check_int
-from ._devices import cuda_count
-from .ddp import get_rank, get_world_size, is_distributed
+from ..._checks import check_int
+from .._devices import cuda_count
+from ..ddp import get_rank, get_world_size, is_distributed
 
 __all__ = [
     "get_device_count",

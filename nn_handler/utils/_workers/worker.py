@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 
-from ..errors import RankFailure
-from . import _transport
+from ...errors import RankFailure
+from . import transport as _transport
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
@@ -132,7 +132,7 @@ def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[Rank
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
                 shm_prefix: str | None, parent_pid: int) -> None:
-    """Entry point of one worker process (started by :class:`~nn_handler.utils._pool.WorkerPool`)."""
+    """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`)."""
     global _index
     _index = index
     # Ctrl-C in a terminal reaches the whole process group; the caller decides

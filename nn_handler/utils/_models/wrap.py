@@ -25,12 +25,12 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from .._checks import check_bool, check_int, check_number, invalid
-from ..errors import ConfigurationError
-from ._env import detect_launch_env
-from ._reports import get_device_count
-from ._devices import CUDA_ONLY, cuda_count, parse_device, parse_device_ids
-from .ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device
+from ..._checks import check_bool, check_int, check_number, invalid
+from ...errors import ConfigurationError
+from .._env import detect_launch_env
+from .reports import get_device_count
+from .._devices import CUDA_ONLY, cuda_count, parse_device, parse_device_ids
+from ..ddp import get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device
 
 __all__ = [
     "MultiGPUMode",
