@@ -137,8 +137,8 @@ def reset():
             dist.destroy_process_group()
     except Exception:
         traceback.print_exc()
-    if "nn_handler.utils._workers.executor" in sys.modules:
-        sys.modules["nn_handler.utils._workers.executor"]._warm_pools.shutdown_all()
+    if "nn_handler.utils._workers.reusable" in sys.modules:
+        sys.modules["nn_handler.utils._workers.reusable"]._warm_pools.shutdown_all()
     os.environ.clear()
     os.environ.update(clean_env)
     os.chdir(home)

@@ -22,6 +22,7 @@ from helpers import kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
 from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils._workers import executor as _executor
+from nn_handler.utils._workers import reusable as _reusable
 
 CPU2 = ["cpu", "cpu"]
 
@@ -772,11 +773,11 @@ def test_decorator_reuses_one_warm_pool():
         assert all(torch.equal(t, torch.tensor([2, 4, 6])) for _, t in second)
         assert where.__name__ == "where"
         where.shutdown()  # ends this pool now, not after keep_alive
-        assert not pids_alive([p for p, _ in first]) and len(_executor._warm_pools) == 0
+        assert not pids_alive([p for p, _ in first]) and len(_reusable._warm_pools) == 0
         third = where(torch.tensor([1]))  # and a later call starts a fresh one
         assert [p for p, _ in third] != [p for p, _ in first]
     finally:
-        _executor._warm_pools.shutdown_all()
+        _reusable._warm_pools.shutdown_all()
     assert not pids_alive([p for p, _ in third])
 
 
@@ -787,7 +788,7 @@ def test_decorator_keep_alive_zero_gives_a_fresh_pool_per_call():
 
     a, b = pid(), pid()
     assert a != b and not pids_alive(a + b)
-    assert len(_executor._warm_pools) == 0
+    assert len(_reusable._warm_pools) == 0
 
 
 def test_decorator_pool_shuts_down_after_keep_alive():
@@ -799,7 +800,7 @@ def test_decorator_pool_shuts_down_after_keep_alive():
     deadline = time.monotonic() + 20
     while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not pids_alive(pids) and len(_executor._warm_pools) == 0
+    assert not pids_alive(pids) and len(_reusable._warm_pools) == 0
 
 
 def test_decorator_bare_and_bad_arguments(monkeypatch):
@@ -811,7 +812,7 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
     try:
         assert bare() == ["cpu"]
     finally:
-        _executor._warm_pools.shutdown_all()
+        _reusable._warm_pools.shutdown_all()
     with pytest.raises(ConfigurationError, match="keep_alive must be a number of seconds >= 0"):
         parallelize_on_gpus(device_ids=CPU2, keep_alive=-1)
     with pytest.raises(ConfigurationError, match="num_gpus must be an int >= 1 or None"):
@@ -820,7 +821,7 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
 
 def test_decorator_is_typed_with_the_functions_parameters():
     # A type checker sees `f(x: int) -> float` decorated as `(x: int) -> list[float]` with .shutdown().
-    P, R, typed = _executor.P, _executor.R, _executor.ParallelFunction
+    P, R, typed = _executor.P, _executor.R, _reusable.ParallelFunction
     bare, configured = (typing.get_type_hints(o)["return"] for o in typing.get_overloads(parallelize_on_gpus))
     assert bare == typed[P, R]
     assert configured == typing.Callable[[typing.Callable[P, R]], typed[P, R]]
@@ -1149,7 +1150,7 @@ def test_keep_alive_timer_never_shuts_a_pool_in_use():
         ta = threading.Thread(target=a)
         ta.start()
         deadline = time.monotonic() + 30
-        while len(_executor._warm_pools) == 0 and time.monotonic() < deadline:
+        while len(_reusable._warm_pools) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)  # A holds the pool
         tb = threading.Thread(target=b)
         tb.start()
@@ -1159,7 +1160,7 @@ def test_keep_alive_timer_never_shuts_a_pool_in_use():
         assert results["a"][0][0] == 1 and results["b"][0][0] == 7
         assert results["a"][0][1] == results["b"][0][1]  # one pool served both
     finally:
-        _executor._warm_pools.shutdown_all()
+        _reusable._warm_pools.shutdown_all()
 
 
 def _fds() -> int:

@@ -19,7 +19,8 @@ Example:
 
 from ._collectives import all_ranks, any_rank
 from ._models.data_parallel import parallel_on_all_devices
-from ._workers.executor import ExecutorTimeoutError, ParallelExecutor, parallelize_on_gpus, worker_state
+from ._workers.executor import ExecutorTimeoutError, ParallelExecutor, worker_state
+from ._workers.reusable import parallelize_on_gpus
 from ._rank import main_process_first, on_rank
 
 __all__ = [

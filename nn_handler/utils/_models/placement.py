@@ -342,7 +342,7 @@ def dispatch_model(
         unknown = [n for n in mapping if n not in sizes]
         if missing or unknown:
             raise ConfigurationError(
-                f"device_map must name every top-level child of the model exactly: "
+                "device_map must name every top-level child of the model exactly: "
                 + (f"missing {missing}" if missing else "")
                 + ("; " if missing and unknown else "")
                 + (f"not children {unknown}" if unknown else "")

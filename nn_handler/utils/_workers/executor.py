@@ -1,15 +1,12 @@
-"""ParallelExecutor and @parallelize_on_gpus: validation and the warm-pool registry over :mod:`._pool`."""
+"""ParallelExecutor: validation of its arguments over the process engine in :mod:`.pool`."""
 
 from __future__ import annotations
 
-import atexit
-import functools
 import inspect
 import os
-import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, ParamSpec, Protocol, Sequence, TypeVar, cast, overload
+from typing import Any, Callable, Iterable, ParamSpec, Sequence, TypeVar
 
 import cloudpickle
 
@@ -19,7 +16,7 @@ from .._devices import cuda_count, parse_device_ids
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .worker import worker_state
 
-__all__ = ["ParallelExecutor", "parallelize_on_gpus", "ExecutorTimeoutError", "worker_state"]
+__all__ = ["ParallelExecutor", "ExecutorTimeoutError", "worker_state"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -252,173 +249,3 @@ class ParallelExecutor:
                         f"item {i} ({type(item).__name__}) cannot be pickled to send to the workers: {exc}"
                     ) from exc
             raise
-
-
-# ----------------------------------------------------------------------------- decorator
-class _WarmPools:
-    """Warm executors shared by decorated functions, keyed by their configuration.
-
-    Each stays alive while used and shuts down ``keep_alive`` seconds after
-    its last call ends, and at interpreter exit. Pools belong to the process
-    that started them: a child made with ``os.fork()`` starts its own.
-    """
-
-    def __init__(self):
-        self._reset()
-        self._hooked = False
-
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._pools: dict[tuple, ParallelExecutor] = {}
-        self._timers: dict[tuple, threading.Timer] = {}
-        self._users: dict[tuple, int] = {}  # calls in progress per pool: only an idle pool expires
-
-    def get(self, key: tuple, make: Callable[[], ParallelExecutor]) -> ParallelExecutor:
-        with self._lock:
-            if not self._hooked:
-                atexit.register(self.shutdown_all, wait=False)
-                # The child inherits the parent's pools but must not use or stop them.
-                os.register_at_fork(after_in_child=self._reset)
-                self._hooked = True
-            timer = self._timers.pop(key, None)
-            if timer is not None:
-                timer.cancel()
-            executor = self._pools.get(key)
-            if executor is None or executor._pool.closed:
-                executor = self._pools[key] = make()
-                self._users[key] = 0
-            self._users[key] += 1
-            return executor
-
-    def release(self, key: tuple, executor: ParallelExecutor, keep_alive: float) -> None:
-        with self._lock:
-            if self._pools.get(key) is not executor:
-                return
-            self._users[key] -= 1
-            if self._users[key] > 0:
-                return  # another thread is still calling it
-            timer = threading.Timer(keep_alive, self._expire, args=(key, executor))
-            timer.daemon = True  # never keeps the interpreter alive
-            self._timers[key] = timer
-            timer.start()
-
-    def _expire(self, key: tuple, executor: ParallelExecutor) -> None:
-        with self._lock:
-            if self._pools.get(key) is not executor or key not in self._timers or self._users[key] > 0:
-                return
-            del self._pools[key], self._timers[key], self._users[key]
-        executor.shutdown()
-
-    def close(self, key: tuple) -> None:
-        """Shut down the pool of one configuration now (a later call starts a new one)."""
-        with self._lock:
-            executor = self._pools.pop(key, None)
-            self._users.pop(key, None)
-            timer = self._timers.pop(key, None)
-            if timer is not None:
-                timer.cancel()
-        if executor is not None:
-            executor.shutdown()
-
-    def shutdown_all(self, wait: bool = True) -> None:
-        """Shut down every pool; ``wait=False`` (at exit) kills the workers of calls still running."""
-        with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
-            for timer in self._timers.values():
-                timer.cancel()
-            self._timers.clear()
-            self._users.clear()
-        for executor in pools:
-            executor._pool.shutdown(wait=wait)
-
-    def __len__(self) -> int:
-        return len(self._pools)
-
-
-_warm_pools = _WarmPools()
-
-
-class ParallelFunction(Protocol[P, R]):
-    """What :func:`parallelize_on_gpus` returns: the function, giving one result per device, and ``shutdown``."""
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
-
-    def shutdown(self) -> None:
-        """End the warm pool now instead of after ``keep_alive`` idle seconds."""
-
-
-@overload
-def parallelize_on_gpus(num_gpus: Callable[P, R]) -> ParallelFunction[P, R]: ...
-
-
-@overload
-def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
-                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
-
-
-def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
-                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60) -> Any:
-    """Run the decorated function on every GPU at once; the call returns one result per GPU.
-
-    Repeated calls reuse one warm pool, shut down after ``keep_alive`` idle
-    seconds and at interpreter exit (``keep_alive=0``: a fresh pool per call).
-    Without CUDA it runs on CPU workers with a ``RuntimeWarning``.
-
-    Args:
-        num_gpus: How many GPUs; all by default.
-        pass_device: Pass ``device=torch.device(...)`` to the function.
-        device_ids: Which devices, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
-        timeout: Seconds per call.
-        keep_alive: Idle seconds before the warm pool shuts down.
-
-    Returns:
-        The decorator (used bare: the decorated function). The decorated
-        function takes ``func``'s arguments (typed with its ``ParamSpec``)
-        and returns a list of its results, one per device; its
-        ``shutdown()`` ends the warm pool now.
-
-    Example:
-        >>> @parallelize_on_gpus(device_ids=["cpu", "cpu"])
-        ... def process_on_gpu(device, data):
-        ...     return data.to(device) * 2
-        >>> process_on_gpu(torch.tensor([1, 2, 3]))   # doctest: +SKIP
-        [tensor([2, 4, 6]), tensor([2, 4, 6])]
-    """
-    if callable(num_gpus) and not isinstance(num_gpus, int):
-        # Used bare: @parallelize_on_gpus
-        return parallelize_on_gpus()(num_gpus)
-    check_number("keep_alive", keep_alive, strict=False, unit="seconds")
-    # Validate now so a bad configuration fails at decoration, not at first call.
-    devices = tuple(_worker_devices(num_gpus, device_ids))
-    _check_timeout(timeout)
-
-    def decorate(func: Callable[P, R]) -> ParallelFunction[P, R]:
-        if not callable(func):
-            raise TypeError(f"parallelize_on_gpus decorates a callable, got {type(func).__name__}")
-
-        def make() -> ParallelExecutor:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # already warned at decoration
-                return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout)
-
-        key = (devices, pass_device, timeout)
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> list[R]:
-            if keep_alive == 0:
-                with make() as executor:
-                    return executor.run(func, *args, **kwargs)
-            executor = _warm_pools.get(key, make)
-            try:
-                return executor.run(func, *args, **kwargs)
-            finally:
-                _warm_pools.release(key, executor, keep_alive)
-
-        # Ends the warm pool now instead of after keep_alive idle seconds (it is
-        # shared with other functions decorated with the same devices).
-        wrapper.shutdown = lambda: _warm_pools.close(key)  # type: ignore[attr-defined]
-        return cast("ParallelFunction[P, R]", wrapper)
-
-    return decorate

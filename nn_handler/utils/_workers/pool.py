@@ -25,16 +25,12 @@ there is no forkserver.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import itertools
 import multiprocessing as mp
 import os
 import pickle
-import select
-import signal
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +44,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
     WorkerDiedError,
     describe_exit,
 )
+from . import pipes
 from . import transport as _transport
 from .worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
 
@@ -84,35 +81,6 @@ class _Slot:
     @property
     def alive(self) -> bool:
         return self.process is not None
-
-
-_LATE = object()  # _receive: the deadline passed in the middle of a reply
-
-
-def _read(fd: int, n: int, poller, deadline: float | None, process):
-    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``_LATE`` past ``deadline``.
-
-    ``poller`` watches ``fd`` and the worker's sentinel.
-    """
-    data = bytearray(n)
-    view, got = memoryview(data), 0
-    while got < n:
-        try:
-            chunk = os.readv(fd, [view[got:]])
-        except BlockingIOError:
-            if not process.is_alive():
-                # Dead, and nothing more to read; no EOF to wait for when a
-                # process it forked still holds its end of the pipe.
-                return None
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return _LATE
-            poller.poll(None if left is None else max(1, int(left * 1000)))
-            continue
-        if chunk == 0:
-            return None
-        got += chunk
-    return data
 
 
 class WorkerPool:
@@ -185,7 +153,7 @@ class WorkerPool:
         )
         # Ctrl-C half-way through start() would leave a process the pool does
         # not know of: it is delivered once the slot holds the process.
-        with _sigint_deferred():
+        with pipes.sigint_deferred():
             try:
                 with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
                     process.start()
@@ -253,7 +221,7 @@ class WorkerPool:
         if not self._lock.acquire(blocking=wait):
             self._closed = True  # the call's next start() fails instead of restarting them
             for slot in list(self._slots):
-                _signal_kill(slot.process)  # the calling thread sees them die and lets go
+                pipes.signal_kill(slot.process)  # the calling thread sees them die and lets go
             if not self._lock.acquire(timeout=10):
                 return  # the workers are dead already; nothing else to wait for
         try:
@@ -266,7 +234,7 @@ class WorkerPool:
             finally:
                 # Even when Ctrl-C ends the wait above: a second Ctrl-C must
                 # not leave a worker running (and the pool marked closed).
-                with _sigint_deferred():
+                with pipes.sigint_deferred():
                     for slot in self._slots:
                         self._kill(slot)
                     _transport.remove_prefixed(_transport.shm_prefix(self._token))
@@ -316,7 +284,7 @@ class WorkerPool:
         """End a worker for good and reap it (no zombie), dropping its unread result files."""
         if slot.process is None:
             return
-        with _sigint_deferred():  # half-reaped, the slot would be stuck with a closed process
+        with pipes.sigint_deferred():  # half-reaped, the slot would be stuck with a closed process
             if slot.process.is_alive():
                 slot.process.kill()
             slot.process.join()
@@ -345,33 +313,6 @@ class WorkerPool:
         )
         self._kill(slot)
         return record
-
-    @staticmethod
-    def _receive(slot: _Slot, deadline: float | None = None):
-        """The next reply of ``slot``; ``None`` when its pipe is closed (it died), ``_LATE`` past ``deadline``.
-
-        Read without blocking, for the reason given at :meth:`_write`: a worker
-        frozen half-way through a large reply must not hold the call past its
-        timeout. (A late reply's worker is then killed with the call.)
-        """
-        fd = slot.conn.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.register(slot.process.sentinel, select.POLLIN)
-        os.set_blocking(fd, False)
-        try:
-            header = _read(fd, 4, poller, deadline, slot.process)
-            if header == b"\xff\xff\xff\xff":  # Connection's framing of a message over 2 GiB
-                header = _read(fd, 8, poller, deadline, slot.process)
-            if not isinstance(header, bytearray):
-                return header
-            size = struct.unpack("!Q" if len(header) == 8 else "!i", header)[0]
-            body = _read(fd, size, poller, deadline, slot.process)
-            return pickle.loads(body) if isinstance(body, bytearray) else body
-        except OSError:
-            return None
-        finally:
-            os.set_blocking(fd, True)
 
     # ----------------------------------------------------------------- calls
     def run(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str, fail_fast: bool = False) -> list:
@@ -469,7 +410,7 @@ class WorkerPool:
                         if not slot.alive or slot.index not in running:
                             continue  # already handled through its other handle
                         reply = self._receive(slot, deadline)
-                        if reply is _LATE:
+                        if reply is pipes.LATE:
                             continue  # the deadline check above raises the timeout
                         if reply is None and slot.index in unread and slot.index not in resent:
                             # It ended before it read any of the task (it was
@@ -536,55 +477,22 @@ class WorkerPool:
         """Remove the result files of a reply that will not be loaded (the worker is idle: nothing else is in flight)."""
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
+    @staticmethod
+    def _receive(slot: _Slot, deadline: float | None = None):
+        """The next reply of ``slot``; ``None`` when it died, ``pipes.LATE`` past ``deadline``."""
+        return pipes.receive(slot.conn, slot.process, deadline)
+
+    @staticmethod
+    def _write(slot: _Slot, data: bytes, deadline: float | None) -> bool:
+        """Send one message to ``slot``; True when the worker read none of it (see :func:`pipes.send`)."""
+        return pipes.send(slot.conn, slot.process, data, deadline)
+
     def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes,
               deadline: float | None) -> bool:
         """Send one task; True when the worker has read none of it yet (it may still be dying)."""
         fn_part = None if slot.has_fn_for == call_id else fn_blob
         slot.has_fn_for = call_id
         return self._write(slot, pickle.dumps((call_id, kind, fn_part, payload)), deadline)
-
-    @staticmethod
-    def _write(slot: _Slot, data: bytes, deadline: float | None) -> bool:
-        """Write one message in ``Connection.send_bytes``' framing; True when the worker read none of it.
-
-        Why not ``send_bytes``: it blocks until the worker has read all but the
-        last few hundred KB of a large argument, so a frozen worker would hold
-        the call past its timeout and a worker killed while reading would
-        surface as a raw ``BrokenPipeError``. Here the writes are non-blocking
-        and we wait for room together with the worker's sentinel and the
-        deadline. A worker that stops reading (dead, or closed its end) simply
-        ends the write; the caller's wait on its sentinel reports it.
-        """
-        n = len(data)
-        header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
-        fd = slot.conn.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        poller.register(slot.process.sentinel, select.POLLIN)
-        waited = read_some = False  # the worker made room: it was reading this message
-        os.set_blocking(fd, False)
-        try:
-            for part in (header, data):
-                view = memoryview(part)
-                while view:
-                    try:
-                        view = view[os.write(fd, view):]
-                        read_some = read_some or waited
-                        continue
-                    except BlockingIOError:
-                        pass
-                    except OSError:  # EPIPE, ECONNRESET: its end is closed
-                        return not read_some
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return not read_some  # the wait loop raises the timeout
-                    events = poller.poll(None if left is None else max(1, int(left * 1000)))
-                    if any(handle == slot.process.sentinel for handle, _ in events):
-                        return not read_some  # died; the wait loop reports it
-                    waited = True
-        finally:
-            os.set_blocking(fd, True)  # shutdown's stop message uses the blocking Connection methods
-        return not read_some
 
     def _stop(self, running: dict) -> None:
         """Kill the workers still running a failed call's tasks; the next call starts fresh ones."""
@@ -622,36 +530,5 @@ class WorkerPool:
         """Kill every worker at once (Ctrl-C, caller error) and close the pool."""
         if os.getpid() != self._owner:
             return self.shutdown()
-        with self._lock, _sigint_deferred():  # a second Ctrl-C waits until they are gone
+        with self._lock, pipes.sigint_deferred():  # a second Ctrl-C waits until they are gone
             self.shutdown(ask=False)
-
-
-def _signal_kill(process) -> None:
-    """SIGKILL a worker that another thread is using; harmless if that thread has just closed it."""
-    try:
-        process.kill()  # only sends the signal: the other thread reaps it
-    except (ValueError, AttributeError, OSError):
-        pass
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold Ctrl-C back while workers are killed and reaped, then deliver it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers run in the main thread only
-        return
-    received = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
-    except (ValueError, TypeError):  # not the main interpreter
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, received[0])  # the default one raises KeyboardInterrupt
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
