@@ -203,7 +203,7 @@ def _torchrun(environ: Mapping[str, str]) -> LaunchEnv:
         raise _launch_error(
             "torchrun", "RANK", f"RANK is set but WORLD_SIZE is not: RANK={environ['RANK']!r} alone does not say "
             "how many processes the job has", "set both (torchrun sets them for you), or unset RANK to run a "
-            f"single process"
+            "single process"
         )
     addr, port = _master_from_env(environ, "torchrun")
     env = LaunchEnv(
