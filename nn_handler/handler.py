@@ -32,7 +32,6 @@ import atexit
 import gc
 import logging
 import os
-import random
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,7 +44,7 @@ from ._checks import check_int
 from ._training import data as D
 from ._training import evaluation
 from ._training import resume as R
-from ._training.config import Resume, TrainingConfig
+from ._training.config import Resume, TrainingConfig, seed_everything
 from ._training.loop import Loop
 from ._training.parts import Parts
 from ._training.state import TrainingState
@@ -82,17 +81,6 @@ def _track_for_exit(handler: "NNHandler") -> None:
     if not _atexit_registered:  # on first use, not at import
         atexit.register(_close_live_handlers)
         _atexit_registered = True
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def _state_attr(name: str, doc: str) -> property:
@@ -182,6 +170,8 @@ class NNHandler:
         global_step: Optimizer steps taken.
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
+        config: The training knobs given to the constructor, validated (read-only; also readable as
+            attributes: ``grad_accum_steps``, ``amp``, ``checkpoint_dir``, ...).
 
     Raises:
         ConfigurationError: ``grad_accum_steps`` < 1, a non-positive
@@ -233,7 +223,7 @@ class NNHandler:
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
         if seed is not None:
-            _seed_everything(seed)
+            seed_everything(seed)
 
         self.distributed = should_use_distributed(use_distributed)
         if self.distributed and not is_distributed():

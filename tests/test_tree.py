@@ -10,7 +10,8 @@ import torch
 
 from nn_handler._training import data as training_data
 from nn_handler._tree import apply, combine, detach_cpu, tensors, to_device
-from nn_handler.utils import _placement, _predict
+from nn_handler.utils._models import placement as _placement
+from nn_handler.utils._models import predict as _predict
 
 Pair = namedtuple("Pair", "inputs targets")
 

@@ -7,9 +7,12 @@ documents each knob.
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union
+
+import torch
 
 from .._checks import check_bool, check_int, check_number, invalid
 from ..errors import ConfigurationError
@@ -90,3 +93,15 @@ def _checked_metrics(metrics: Any) -> dict[str, Callable]:
         if not isinstance(name, str) or not callable(fn):
             raise ConfigurationError(f"metric {name!r} must map a str to a callable fn(outputs, targets), got {fn!r}")
     return dict(metrics)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed ``random``, torch (every CUDA device too) and NumPy when it is installed."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np  # not a requirement: seeded only where the user has it
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
