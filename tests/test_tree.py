@@ -117,7 +117,7 @@ def test_training_head_keeps_namedtuples():
 
 
 def test_training_to_device_keeps_dict_subclasses_and_moves_dataclasses():
-    out = training_data.to_device((Tagged(x=torch.ones(1)), Batch(torch.ones(1))), META)
+    out = to_device((Tagged(x=torch.ones(1)), Batch(torch.ones(1))), META)
     assert type(out[0]) is Tagged and out[0]["x"].device == META
     assert out[1].x.device == META
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from .._checks import check_int
-from .._tree import apply, tensors, to_device  # noqa: F401  (to_device: the loop's name for it)
+from .._tree import apply, tensors
 from ..checkpoint import capture_rng_state, restore_rng_state
 from ..errors import CheckpointError, ConfigurationError
 from ..utils.parallel import MultiGPUConfig, prepare_dataloader

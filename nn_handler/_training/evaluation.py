@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .._tree import to_device
 from ..errors import ConfigurationError
 from ..utils._collectives import gather, side_group
 from ..utils.parallel import parallel_predict
@@ -42,7 +43,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
         # gradients, and avoiding it keeps evaluation free of collectives.
         with torch.no_grad(), autocast_context(parts.device, config.amp):
             for batch in loader:
-                inputs, targets = D.split_batch(D.to_device(batch, parts.device))
+                inputs, targets = D.split_batch(to_device(batch, parts.device))
                 if targets is None:
                     raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
                 n = D.batch_size_of(inputs, targets)
@@ -84,7 +85,7 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     try:
         with torch.no_grad(), autocast_context(parts.device, config.amp):
             for batch in loader:
-                inputs, _ = D.split_batch(D.to_device(batch, parts.device))
+                inputs, _ = D.split_batch(to_device(batch, parts.device))
                 out = module(inputs)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"predict() needs a model that returns a tensor, got {type(out).__name__}")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .._tree import to_device
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils.ddp_decorators import any_rank
 from . import data as D
@@ -191,7 +192,7 @@ class Loop:
             for i, batch in enumerate(batches, start=first):
                 for cb in callbacks:
                     cb.on_batch_begin(view, i)
-                inputs, targets = D.split_batch(D.to_device(batch, device))
+                inputs, targets = D.split_batch(to_device(batch, device))
                 if targets is None:
                     raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
                 micro += 1
