@@ -6,7 +6,11 @@ contender runs in the same processes, interleaved round by round, so machine
 noise hits them alike; the figure is the median steps/s over the rounds,
 each round timing one 200-step epoch after a warm-up epoch.
 
-    python benchmarks/bench_training.py [--rounds 3] [--steps 200] [--procs 1 2]
+    python benchmarks/bench_training.py [--rounds 3] [--steps 200] [--procs 1 2] [--hidden 1024]
+
+``--hidden 64`` gives a small model whose step is bound by the trainer's
+per-step overhead rather than by the matrix products: the figure to watch
+when the loop changes.
 
 Target (issue 5): NNHandler >= 0.97x the hand-written loop's steps/s.
 
@@ -37,6 +41,7 @@ SIZES = (256, 1024, 1024, 10)
 def _model():
     from torch import nn
 
+    # SIZES is set from --hidden in main() and again in each rank by _body.
     layers = []
     for a, b in zip(SIZES, SIZES[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -173,9 +178,12 @@ CONTENDERS = {
 }
 
 
-def _body(rank: int, names: list[str], steps: int, rounds: int) -> dict[str, list[float]]:
+def _body(rank: int, names: list[str], steps: int, rounds: int, hidden: int) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
+
+    global SIZES
+    SIZES = (SIZES[0], hidden, hidden, SIZES[-1])
 
     torch.set_num_threads(1)
     epochs = {name: CONTENDERS[name][0](steps) for name in names}
@@ -206,7 +214,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="width of the two hidden layers (64: a small, overhead-bound model)")
     args = parser.parse_args()
+    global SIZES
+    SIZES = (SIZES[0], args.hidden, args.hidden, SIZES[-1])
     names = [n for n, (_, mods) in CONTENDERS.items() if not mods or _installed(*mods)]
     skipped = [n for n in CONTENDERS if n not in names]
     print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "
@@ -214,7 +226,7 @@ def main() -> None:
     if skipped:
         print(f"not installed, skipped: {', '.join(skipped)}")
     for nprocs in args.procs:
-        results = run_distributed(_body, nprocs=nprocs, args=(names, args.steps, args.rounds), timeout=1800)
+        results = run_distributed(_body, nprocs=nprocs, args=(names, args.steps, args.rounds, args.hidden), timeout=1800)
         for rank, r in enumerate(results):
             if isinstance(r, BaseException):
                 raise SystemExit(f"rank {rank} failed: {r!r}\n{getattr(r, 'remote_traceback', '')}")

@@ -7,11 +7,10 @@ sharding from :func:`~nn_handler.utils.parallel.prepare_model` and
 :mod:`nn_handler.checkpoint`, and :meth:`NNHandler.launch` runs on the
 worker pool behind :class:`~nn_handler.ParallelExecutor`.
 
-Collectives per epoch, beyond DDP's own gradient all-reduce: one all-reduce
-of the epoch's sums (losses, metrics, sample counts, timings, memory, the
-first non-finite step), one for the stop flag, and, with validation, nothing
-more. Per training step the loop makes no collective and, in a distributed
-run, reads no value back from the device.
+The training itself lives in the private package :mod:`nn_handler._training`
+(config, state, data, step, loop, evaluation, resume, preemption); this class
+builds its parts, keeps them, and delegates each call in a few lines. Its
+collectives per epoch are listed in :mod:`nn_handler._training.loop`.
 
 Example:
     >>> import torch
@@ -30,64 +29,36 @@ Example:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
 import gc
 import logging
 import os
-import random
-import time
-import uuid
 import weakref
-from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader
 
-from . import _training as T
-from ._checks import check_bool, check_int, check_number, invalid
-from ._preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
+from ._checks import check_int
+from ._training import data as D
+from ._training import evaluation
+from ._training import resume as R
+from ._training.config import Resume, TrainingConfig, seed_everything
+from ._training.loop import Loop
+from ._training.parts import Parts
+from ._training.state import TrainingState
 from .callbacks import Callback
-from .checkpoint import (
-    FORMAT,
-    atomic_save,
-    capture_rng_state,
-    load_payload,
-    load_weights,
-    prune_run_checkpoints,
-    read_run_info,
-    remove_stale_temp_files,
-    restore_rng_state,
-    run_checkpoint_name,
-    run_info,
-    scan_run_checkpoints,
-)
-from .errors import CheckpointError, CheckpointMismatchError, ConfigurationError, NonFiniteLossError, RankFailedError
+from .checkpoint import FORMAT, load_payload, load_weights
+from .errors import CheckpointError, ConfigurationError
 from .history import History
-from .utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
-from .utils.ddp import (
-    cleanup_ddp,
-    get_rank,
-    get_world_size,
-    initialize_ddp,
-    is_distributed,
-    resolve_device,
-    should_use_distributed,
-)
-from .utils.ddp_decorators import any_rank
-from .utils.parallel import MultiGPUConfig, parallel_predict, prepare_dataloader, prepare_model, unwrap_parallel_model
+from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
+                        should_use_distributed)
+from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
 
 __all__ = ["NNHandler"]
 
 log = logging.getLogger(__name__)
-
-_DDP_KEYS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb", "broadcast_buffers")
-_DEFAULT_BATCH_SIZE = 32
-_BAR_REFRESH_S = 0.5  # how often the progress bar reads the loss back from the device
-Resume = Union[Literal["auto"], str, os.PathLike, None]
 
 # Handlers with a DDP model, closed at interpreter exit if the script did not
 # close them: a gloo group still referenced by a live DDP model can abort the
@@ -112,15 +83,15 @@ def _track_for_exit(handler: "NNHandler") -> None:
         _atexit_registered = True
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
+def _state_attr(name: str, doc: str) -> property:
+    """An attribute of the handler kept in its TrainingState (the loop and resume update it there)."""
+    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
+                    doc=doc)
 
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
+
+def _config_attr(name: str) -> property:
+    """A constructor knob, read-only: it lives in the frozen TrainingConfig."""
+    return property(lambda self: getattr(self.config, name), doc=f"The ``{name}`` given to the constructor.")
 
 
 class NNHandler:
@@ -189,7 +160,7 @@ class NNHandler:
             directory with a :class:`~nn_handler.ConfigurationError`.
         preemption_check_every: Agree on "a rank got SIGTERM" every this many
             optimizer steps (a one-int collective); by default about once a
-            second of training, whatever the step time (see :mod:`nn_handler._preemption`).
+            second of training, whatever the step time (see :mod:`nn_handler._training.preemption`).
 
     Attributes:
         model: The model as trained (wrapped in DDP when distributed).
@@ -199,6 +170,8 @@ class NNHandler:
         global_step: Optimizer steps taken.
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
+        config: The training knobs given to the constructor, validated (read-only; also readable as
+            attributes: ``grad_accum_steps``, ``amp``, ``checkpoint_dir``, ...).
 
     Raises:
         ConfigurationError: ``grad_accum_steps`` < 1, a non-positive
@@ -241,48 +214,21 @@ class NNHandler:
         preemption_check_every: int | None = None,
         overwrite: bool = False,
     ):
-        self.grad_accum_steps = check_int("grad_accum_steps", grad_accum_steps, minimum=1)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.keep_last = check_int("keep_last", keep_last, minimum=1)
-        self.preemption_check_every = check_int("preemption_check_every", preemption_check_every, minimum=1,
-                                                allow_none=True)
-        if resume == "auto" and self.checkpoint_dir is None:
-            raise ConfigurationError("resume='auto' looks for checkpoints in checkpoint_dir; pass checkpoint_dir=...")
-        if resume is not None and not isinstance(resume, (str, os.PathLike)):
-            raise invalid("resume", "None, 'auto' or a checkpoint path", resume)
-        check_bool("overwrite", overwrite)
-        if overwrite and self.checkpoint_dir is None:
-            raise ConfigurationError("overwrite=True applies to checkpoint_dir's files; pass checkpoint_dir=...")
-        if overwrite and resume == "auto":
-            raise ConfigurationError("overwrite=True starts a new run over the checkpoints in checkpoint_dir, and "
-                                     "resume='auto' continues them: choose one")
-        self.overwrite = overwrite
-        self._resume: Resume = resume
-        # The first train() loads what resume names and claims checkpoint_dir (_start_run).
-        self._start_pending = resume is not None or self.checkpoint_dir is not None
-        # Written into every checkpoint: the files of checkpoint_dir that carry
-        # this id are this run's (to prune, to resume). A resumed checkpoint's
-        # id replaces it, so a rerun continues the same run.
-        self._run_id = uuid.uuid4().hex
-        self._run_seq = 0  # checkpoint_dir's last write number (rank 0 numbers the files it writes)
-        self._resume_partial: dict[str, Any] | None = None  # a mid-epoch checkpoint's state, until train uses it
-        self._finished_early = False  # the loaded checkpoint was written after an early stop
-        self._owns_group = False
-        self._closed = False
-        self.clip_grad_norm = check_number("clip_grad_norm", clip_grad_norm, allow_none=True)
-        self.finite_check_every = check_int("finite_check_every", finite_check_every, minimum=1, allow_none=True)
-        self.metrics = self._check_metrics(metrics)
-        unknown = sorted(set(ddp_kwargs or {}) - set(_DDP_KEYS))
-        if unknown:
-            raise ConfigurationError(f"unknown ddp_kwargs {unknown}; allowed: {', '.join(_DDP_KEYS)}")
-        self.seed = seed
+        self.config = TrainingConfig.from_arguments(
+            grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
+            metrics=metrics, amp=amp, seed=seed, sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs,
+            checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
+            preemption_check_every=preemption_check_every)
+        # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
+        self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
+        self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
         if seed is not None:
-            _seed_everything(seed)
+            seed_everything(seed)
 
         self.distributed = should_use_distributed(use_distributed)
         if self.distributed and not is_distributed():
             initialize_ddp()
-            self._owns_group = True  # so close() destroys it
+            self._owns_group = True
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)
@@ -291,16 +237,11 @@ class NNHandler:
                 f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
                 f"leave it False here: each rank then normalizes with its own batch statistics"
             )
-        self.amp = bool(amp)
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
-                                        sync_bn=bool(sync_batchnorm), **dict(ddp_kwargs or {}))
+                                        sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
         # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp and self.device.type == "cuda" else None
+        self.scaler = torch.amp.GradScaler("cuda") if self.config.amp and self.device.type == "cuda" else None
 
-        self.history = History()
-        self.epoch = 0
-        self.global_step = 0
-        self.stop_training = False
         self.callbacks: list[Callback] = []
         for cb in callbacks or []:
             self.add_callback(cb)
@@ -323,18 +264,21 @@ class NNHandler:
         if self.distributed:
             _track_for_exit(self)
 
-    # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _check_metrics(metrics) -> dict[str, Callable]:
-        if metrics is None:
-            return {}
-        if not isinstance(metrics, Mapping):
-            raise ConfigurationError(f"metrics must be a dict of name -> fn(outputs, targets), got {type(metrics).__name__}")
-        for name, fn in metrics.items():
-            if not isinstance(name, str) or not callable(fn):
-                raise ConfigurationError(f"metric {name!r} must map a str to a callable fn(outputs, targets), got {fn!r}")
-        return dict(metrics)
+    # The run's state (updated by the loop and by resume) and the constructor's knobs.
+    epoch = _state_attr("epoch", "Completed epochs (resumes from checkpoints).")
+    global_step = _state_attr("global_step", "Optimizer steps taken.")
+    stop_training = _state_attr("stop_training", "Set to True (by a callback) to stop after the current epoch.")
+    history = _state_attr("history", "The History of completed epochs.")
+    grad_accum_steps = _config_attr("grad_accum_steps")
+    clip_grad_norm = _config_attr("clip_grad_norm")
+    finite_check_every = _config_attr("finite_check_every")
+    metrics = _config_attr("metrics")
+    amp = _config_attr("amp")
+    seed = _config_attr("seed")
+    checkpoint_dir = _config_attr("checkpoint_dir")
+    keep_last = _config_attr("keep_last")
+    overwrite = _config_attr("overwrite")
+    preemption_check_every = _config_attr("preemption_check_every")
 
     @property
     def module(self) -> nn.Module:
@@ -444,31 +388,6 @@ class NNHandler:
         """Validation data, as :meth:`set_train_loader` (not shuffled); every sample counts exactly once."""
         self.val_loader = self._make_loader(data, loader_kwargs, shuffle=False)
 
-    def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
-        if isinstance(data, DataLoader):
-            if loader_kwargs:
-                raise ConfigurationError(
-                    f"loader settings {sorted(loader_kwargs)} only apply to a Dataset; "
-                    f"the given DataLoader keeps its own"
-                )
-            loader = data
-        else:
-            if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-                data = TensorDataset(*data)
-            if not isinstance(data, Dataset):
-                raise TypeError(
-                    f"data must be a DataLoader, a Dataset or a tuple of tensors, got {type(data).__name__}"
-                )
-            _check_not_empty(data, "given")
-            kwargs = {"batch_size": _DEFAULT_BATCH_SIZE, **loader_kwargs}
-            if not isinstance(data, IterableDataset):
-                kwargs.setdefault("shuffle", shuffle)
-            loader = DataLoader(data, **kwargs)
-        # Evaluation order does not matter, and unshuffled shards keep the
-        # padding DistributedSampler adds at the end, where it is cut off.
-        return prepare_dataloader(loader, self._parallel, shuffle=None if shuffle else False,
-                                  seed=self.seed if self.seed is not None else 0)
-
     def _check_ready(self) -> None:
         if self._closed and self.distributed:
             # Without its DDP wrapper the model would train on each rank alone, silently.
@@ -487,9 +406,9 @@ class NNHandler:
                 "no optimizer: pass optimizer= (an instance, or a class with optimizer_kwargs) "
                 "or call set_optimizer() before train()"
             )
-        _check_not_empty(self.train_loader, "training")
+        D.check_not_empty(self.train_loader, "training")
         if self.val_loader is not None:
-            _check_not_empty(self.val_loader, "validation")
+            D.check_not_empty(self.val_loader, "validation")
 
     # ------------------------------------------------------------------ training
 
@@ -534,309 +453,18 @@ class NNHandler:
         epochs = check_int("epochs", epochs, minimum=1)
         validate_every = check_int("validate_every", validate_every, minimum=1)
         self._check_ready()
-        if self._start_pending:
-            self._start_run()
-            self._start_pending = False  # only once it succeeded: a refused directory stays refused
-        if self._finished_early:
+        parts, state = self._parts(), self._state
+        if state.start_pending:
+            R.start_run(parts, self.config, state)
+            state.start_pending = False  # only once it succeeded: a refused directory stays refused
+        if state.finished_early:
             log.warning("train(%d): the run stopped early after epoch %d (resumed from its last checkpoint); "
-                        "nothing to do", epochs, self.epoch)
-            return self.history
-        if self.epoch >= epochs:
-            log.warning("train(%d): %d epochs are already complete; nothing to do", epochs, self.epoch)
-            return self.history
-        self.stop_training = False
-        for cb in self.callbacks:
-            cb.on_train_begin(self)
-        try:
-            self._train_until(epochs, validate_every, progress)
-        except Exception as exc:
-            # Outside the SIGTERM catcher: torchrun's SIGTERM ends the wait.
-            T.wait_if_peer_failed(exc)
-            raise
-        for cb in self.callbacks:
-            cb.on_train_end(self)
+                        "nothing to do", epochs, state.epoch)
+        elif state.epoch >= epochs:
+            log.warning("train(%d): %d epochs are already complete; nothing to do", epochs, state.epoch)
+        else:
+            Loop(parts, self.config, state).run(epochs, validate_every, progress)
         return self.history
-
-    def _train_until(self, epochs: int, validate_every: int, progress: bool) -> None:
-        catcher = SignalCatcher() if self.checkpoint_dir is not None else None
-        with catcher if catcher is not None else contextlib.nullcontext():
-            monitor = None
-            if catcher is not None:
-                monitor = PreemptionMonitor(catcher, self.distributed and is_distributed(), self.preemption_check_every)
-            while self.epoch < epochs:
-                try:
-                    self._run_epoch(epochs, validate_every, progress, monitor)
-                except _StopMidEpoch as stop:
-                    path = self._save_run_checkpoint(stop.partial)
-                    raise self._preempted(path, self.epoch + 1, stop.partial["batches"], catcher) from None
-                # Agree, so that a callback that stopped one rank stops them all
-                # after the same epoch (the next epoch's collectives would hang);
-                # with a monitor, one collective says "stop" and "preempted".
-                if monitor is None:
-                    stop, preempt = self._any_rank(self.stop_training), False
-                else:
-                    stop, preempt = monitor.epoch_end(self.stop_training)
-                self.stop_training = stop
-                if self.checkpoint_dir is not None:
-                    path = self._save_run_checkpoint()
-                if preempt:
-                    raise self._preempted(path, self.epoch, 0, catcher)
-                if stop:
-                    break
-
-    def _preempted(self, path: Path, epoch: int, batches: int, catcher: SignalCatcher) -> TrainingPreempted:
-        # Every rank raises the same exception; the one that did not receive
-        # the signal itself still names it (another rank did).
-        exc = TrainingPreempted(str(path), epoch, batches, signal_name(catcher.received or PREEMPTION_SIGNALS[0]))
-        catcher.handled = True
-        if self.is_main_process:
-            log.warning("%s", exc)
-        return exc
-
-    def _any_rank(self, flag: bool) -> bool:
-        if not (self.distributed and is_distributed()):
-            return bool(flag)  # a handler told use_distributed=False inside a group decides alone
-        return any_rank(flag)
-
-    def _run_epoch(self, epochs: int, validate_every: int, progress: bool,
-                   monitor: PreemptionMonitor | None = None) -> None:
-        epoch = self.epoch + 1
-        for cb in self.callbacks:
-            cb.on_epoch_begin(self, epoch)
-        sampler = getattr(self.train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
-        lr = self.optimizer.param_groups[0]["lr"]
-        T.reset_peak_memory(self.device)
-        start = time.perf_counter()
-        train = self._train_epoch(epoch, epochs, progress, monitor)
-        train_time = time.perf_counter() - start
-        validate = self.val_loader is not None and epoch % validate_every == 0
-        val = self._eval_sums(self.val_loader) if validate else []
-        epoch_time = time.perf_counter() - start
-
-        mine = [train_time, epoch_time, T.peak_memory_mb(self.device), train["bad_step"], train["bad_value"]]
-        totals, ranks = T.reduce_over_ranks(train["sums"] + val, mine, self.device, self.distributed)
-        bad = [(r, int(v[3]), v[4]) for r, v in enumerate(ranks) if v[3] >= 0]
-        if bad:
-            self._raise_nonfinite(epoch, bad)
-
-        k = len(train["sums"])
-        row: dict[str, Any] = {"epoch": epoch, **self._means("train_", totals[:k])}
-        if validate:
-            val_logs = self._means("val_", totals[k:])
-            row.update(val_logs)
-            for cb in self.callbacks:
-                cb.on_validation_end(self, epoch, val_logs)
-        slowest_train = max(v[0] for v in ranks)
-        row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
-                   samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
-        row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
-        self._step_scheduler(row)
-        self.epoch = epoch
-        self.history.append(row)
-        if self.is_main_process:
-            log.info("epoch %d/%d: %s", epoch, epochs,
-                     " ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_"))))
-        for cb in self.callbacks:
-            cb.on_epoch_end(self, epoch, row)
-
-    def _means(self, prefix: str, sums: list[float]) -> dict[str, float]:
-        # sums: [loss_sum, sample_count, metric_sum...]
-        n = sums[1]
-        out = {f"{prefix}loss": sums[0] / n}
-        out.update({f"{prefix}{name}": s / n for name, s in zip(self.metrics, sums[2:])})
-        return out
-
-    def _step_scheduler(self, row: dict) -> None:
-        if self.scheduler is None:
-            return
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            self.scheduler.step(row.get("val_loss", row["train_loss"]))
-        else:
-            self.scheduler.step()
-
-    def _train_epoch(self, epoch: int, epochs: int, progress: bool,
-                     monitor: PreemptionMonitor | None = None) -> dict[str, Any]:
-        model, loader, k = self.model, self.train_loader, self.grad_accum_steps
-        model.train()
-        try:
-            n_batches = len(loader)
-        except TypeError:  # an IterableDataset without __len__
-            n_batches = None
-        # Skipping the all-reduce needs to know which micro-step is the last
-        # of an epoch; without a length every micro-step synchronizes.
-        no_sync = isinstance(model, DistributedDataParallel) and k > 1 and n_batches is not None
-        # Checking a loss on the host costs a CPU-GPU sync: by default only
-        # where that is free (a single CPU process); elsewhere at epoch end.
-        check_each_step = not self.distributed and (
-            self.finite_check_every == 1 or (self.finite_check_every is None and self.device.type == "cpu"))
-        check_every = None if check_each_step else self.finite_check_every
-        losses: list[torch.Tensor] = []
-        sizes: list[int] = []
-        metric_values: list[list] = [[] for _ in self.metrics]
-        resume, self._resume_partial = self._resume_partial, None
-        first = 0
-        if resume is not None:
-            epoch_start = resume["epoch_start"]
-            batches, first = self._skip_to(resume, epoch)
-            losses = [t.to(self.device) for t in resume["losses"].unbind(0)]
-            sizes = [int(n) for n in resume["sizes"]]
-            metric_values = [list(t.unbind(0)) for t in resume["metrics"]]
-        else:
-            # What decides this epoch's batch order (the global generators, the
-            # loader's and sampler's own), taken before the loader draws from
-            # them: a mid-epoch checkpoint needs it to replay the same order.
-            epoch_start = self._epoch_start_state() if monitor is not None else None
-            batches = iter(loader)
-        bar = self._progress_bar(epoch, epochs, n_batches) if progress and self.is_main_process else None
-        if bar is not None and first:
-            bar.update(first)
-        bar_mark, bar_time = len(losses), time.perf_counter()
-        micro = 0
-        try:
-            for i, batch in enumerate(batches, start=first):
-                for cb in self.callbacks:
-                    cb.on_batch_begin(self, i)
-                inputs, targets = T.split_batch(T.to_device(batch, self.device))
-                if targets is None:
-                    raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
-                micro += 1
-                boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
-                with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
-                    with T.autocast_context(self.device, self.amp):
-                        outputs = model(inputs)
-                        loss = self.loss_fn(outputs, targets)
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                        raise ConfigurationError(
-                            f"loss_fn must return a scalar tensor (mean over the batch), got "
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
-                        )
-                    if check_each_step and not torch.isfinite(loss):
-                        raise NonFiniteLossError(epoch, i, float(loss.detach()))
-                    scaled = loss / k if k > 1 else loss
-                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-                if boundary:
-                    self._optimizer_step()
-                    micro = 0
-                detached = loss.detach()
-                losses.append(detached)
-                sizes.append(T.batch_size_of(inputs, targets))
-                if self.metrics:
-                    with torch.no_grad():
-                        out = outputs.detach()
-                        for values, fn in zip(metric_values, self.metrics.values()):
-                            values.append(fn(out, targets))
-                for cb in self.callbacks:
-                    cb.on_batch_end(self, i, detached)
-                if check_every and (i + 1) % check_every == 0:
-                    self._raise_if_nonfinite(losses, epoch)
-                if bar is not None:
-                    bar.update(1)
-                    now = time.perf_counter()
-                    if now - bar_time >= _BAR_REFRESH_S:
-                        recent = torch.stack(losses[bar_mark:]).float().mean().item()
-                        rate = sum(sizes[bar_mark:]) * self.world_size / (now - bar_time)
-                        bar.set_postfix(loss=f"{recent:.4g}", samples_s=f"{rate:.0f}", refresh=False)
-                        bar_mark, bar_time = len(losses), now
-                # After the whole step (update, hooks): a preemption stops
-                # between two optimizer steps, never inside an accumulation group.
-                if monitor is not None and boundary and monitor.step_done(n_batches is not None and i + 1 == n_batches):
-                    raise _StopMidEpoch({
-                        "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                        "sizes": list(sizes), "metrics": [_as_float64(v) for v in metric_values]})
-            if micro:  # an unsized loader ended inside an accumulation group
-                self._optimizer_step()
-        finally:
-            if bar is not None:
-                bar.close()
-        if not losses:
-            raise ConfigurationError(
-                "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
-                "batch_size, or fewer samples than ranks?)"
-            )
-        stacked = torch.stack(losses).to(torch.float64)
-        weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
-        sums = [(stacked * weights).sum(), float(sum(sizes))]
-        sums += [_weighted_sum(values, weights) for values in metric_values]
-        bad_step, bad_value = _first_nonfinite(stacked)
-        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value}
-
-    def _raise_if_nonfinite(self, losses: list[torch.Tensor], epoch: int) -> None:
-        step, value = _first_nonfinite(torch.stack(losses))
-        _, ranks = T.reduce_over_ranks([], [step, value], self.device, self.distributed)
-        bad = [(r, int(v[0]), v[1]) for r, v in enumerate(ranks) if v[0] >= 0]
-        if bad:
-            self._raise_nonfinite(epoch, bad)
-
-    def _raise_nonfinite(self, epoch: int, bad: list[tuple[int, int, float]]) -> None:
-        """Raise for the earliest ``(rank, step, value)``; the same error on every rank."""
-        step = min(s for _, s, _ in bad)
-        value = next(v for _, s, v in bad if s == step)
-        # Name the ranks where it started: through the gradient all-reduce a
-        # NaN on one rank reaches every rank's weights one step later.
-        ranks = [r for r, s, _ in bad if s == step] if self.distributed else ()
-        raise NonFiniteLossError(epoch, step, value, ranks)
-
-    def _optimizer_step(self) -> None:
-        if self.scaler is not None:
-            if self.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if self.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-
-    def _progress_bar(self, epoch: int, epochs: int, total: int | None):
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", dynamic_ncols=True, leave=True)
-
-    # ------------------------------------------------------------------ evaluation
-
-    def _eval_sums(self, loader: DataLoader) -> list:
-        """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
-        if self.loss_fn is None:
-            raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
-        module = self.module
-        was_training = module.training
-        module.eval()
-        real = T.real_sample_count(loader)
-        losses, sizes = [], []
-        metric_values: list[list] = [[] for _ in self.metrics]
-        seen = 0
-        try:
-            # The unwrapped module: DDP's forward is not needed without
-            # gradients, and avoiding it keeps evaluation free of collectives.
-            with torch.no_grad(), T.autocast_context(self.device, self.amp):
-                for batch in loader:
-                    inputs, targets = T.split_batch(T.to_device(batch, self.device))
-                    if targets is None:
-                        raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
-                    n = T.batch_size_of(inputs, targets)
-                    keep = n if real is None else min(n, real - seen)
-                    seen += n
-                    if keep <= 0:
-                        break  # only DistributedSampler padding is left
-                    outputs = module(inputs)
-                    if keep < n:
-                        outputs, targets = T.head(outputs, keep), T.head(targets, keep)
-                    losses.append(self.loss_fn(outputs, targets).detach())
-                    sizes.append(keep)
-                    for values, fn in zip(metric_values, self.metrics.values()):
-                        values.append(fn(outputs, targets))
-        finally:
-            module.train(was_training)
-        if not losses:
-            return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(self.metrics)
-        stacked = torch.stack(losses).to(torch.float64)
-        weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
-        return [(stacked * weights).sum(), float(sum(sizes))] + [_weighted_sum(v, weights) for v in metric_values]
 
     def evaluate(self, data: Any = None) -> dict[str, float]:
         """Loss and metrics over ``data`` (or the validation loader), every sample counted once over all ranks.
@@ -854,11 +482,7 @@ class NNHandler:
             loader = self.val_loader
         else:
             loader = self._make_loader(data, {}, shuffle=False)
-        _check_not_empty(loader, "evaluation")
-        totals, _ = T.reduce_over_ranks(self._eval_sums(loader), [], self.device, self.distributed)
-        if totals[1] == 0:
-            raise ConfigurationError("evaluate(): the data yielded no samples")
-        return {k.removeprefix("val_"): v for k, v in self._means("val_", totals).items()}
+        return evaluation.evaluate(self._parts(), self.config, loader)
 
     def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
                 device_ids: Sequence[int | str] | None = None) -> torch.Tensor:
@@ -890,60 +514,9 @@ class NNHandler:
             [0.0, 1.0, 2.0, 3.0, 4.0]
         """
         if data_parallel:
-            return self._predict_data_parallel(data, batch_size, device_ids)
-        loader = self._predict_loader(data, batch_size)
-        sampler = loader.sampler
-        real = T.real_sample_count(loader)
-        module = self.module
-        was_training = module.training
-        module.eval()
-        outputs = []
-        try:
-            with torch.no_grad(), T.autocast_context(self.device, self.amp):
-                for batch in loader:
-                    inputs, _ = T.split_batch(T.to_device(batch, self.device))
-                    out = module(inputs)
-                    if not isinstance(out, torch.Tensor):
-                        raise TypeError(f"predict() needs a model that returns a tensor, got {type(out).__name__}")
-                    outputs.append(out.detach().cpu())
-        finally:
-            module.train(was_training)
-        local = torch.cat(outputs) if outputs else None
-        if not isinstance(sampler, DistributedSampler) or not (self.distributed and is_distributed()):
-            if local is None:
-                raise ConfigurationError("predict(): the data yielded no samples")
-            return local
-        indices = list(iter(sampler))
-        count = real if real is not None else len(indices)
-        part = (indices[:count], local[:count] if local is not None else None)
-        parts = gather(side_group(), part)  # not all_gather_object: it needs numpy
-        return _assemble(parts, len(sampler.dataset))
-
-    def _predict_data_parallel(self, data: Any, batch_size: int | None, device_ids) -> torch.Tensor:
-        if self.distributed and is_distributed():
-            raise ConfigurationError(
-                "predict(data_parallel=True) starts one worker per device itself; call it from a single "
-                "process, not from every DDP rank (plain predict() already splits the data over the ranks)"
-            )
-        if batch_size is None and isinstance(data, DataLoader):
-            batch_size = data.batch_size
-        if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
-            data = TensorDataset(*data)
-        return parallel_predict(_InputsOnly(self.module), data, batch_size=batch_size or _DEFAULT_BATCH_SIZE,
-                                device_ids=device_ids, autocast=self.amp)
-
-    def _predict_loader(self, data: Any, batch_size: int | None) -> DataLoader:
-        if batch_size is not None:
-            check_int("batch_size", batch_size, minimum=1)
-        if isinstance(data, torch.Tensor):
-            data = TensorDataset(data)
-        if isinstance(data, DataLoader):
-            loader = DataLoader(data.dataset, batch_size=batch_size or data.batch_size or _DEFAULT_BATCH_SIZE,
-                                shuffle=False, drop_last=False, collate_fn=data.collate_fn,
-                                num_workers=data.num_workers, pin_memory=data.pin_memory)
-            return prepare_dataloader(loader, self._parallel, shuffle=False)
-        return self._make_loader(data, {"batch_size": batch_size or _DEFAULT_BATCH_SIZE, "drop_last": False},
-                                 shuffle=False)
+            return evaluation.predict_data_parallel(self._parts(), self.config, data, batch_size, device_ids)
+        loader = D.predict_loader(data, batch_size, self._parallel, self.config.seed)
+        return evaluation.predict(self._parts(), self.config, loader)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -954,32 +527,7 @@ class NNHandler:
             rng_states: Every rank's random state, in rank order (gathered by
                 :meth:`save_checkpoint`); this rank's alone by default.
         """
-        names: dict[str, int] = {}
-        callbacks = {}
-        for cb in self.callbacks:
-            name = type(cb).__qualname__
-            names[name] = names.get(name, 0) + 1
-            callbacks[name if names[name] == 1 else f"{name}#{names[name]}"] = cb.state_dict()
-        generator = getattr(getattr(self.train_loader, "sampler", None), "generator", None)
-        return {
-            "format": FORMAT,
-            "run": {"id": self._run_id, "seq": None},  # seq: the write number in checkpoint_dir
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            # Another class's state loads without a word and fails at the first step.
-            "optimizer_class": _class_name(self.optimizer),
-            "scheduler_class": _class_name(self.scheduler),
-            "epoch": self.epoch,
-            "global_step": self.global_step,
-            "history": self.history.state_dict(),
-            "rng": rng_states if rng_states is not None else [capture_rng_state()],
-            "world_size": self.world_size,
-            "sampler_generator": generator.get_state() if isinstance(generator, torch.Generator) else None,
-            "callbacks": callbacks,
-            "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
-        }
+        return R.state_dict(self._parts(), self._state, rng_states)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write a full training checkpoint from rank 0, atomically; call it on every rank.
@@ -993,173 +541,7 @@ class NNHandler:
             OSError: On rank 0, the write failed (``path`` is unchanged).
             CheckpointError: On the other ranks, when rank 0's write failed.
         """
-        self._save(path)
-
-    def _save(self, path, partial: dict[str, Any] | None = None, stopped: bool = False,
-              seq: int | None = None) -> None:
-        mine = (capture_rng_state(), partial)
-        everyone = [mine]
-        if self.distributed and is_distributed():
-            # Each rank resumes with its own random streams, and mid-epoch with
-            # its own shard's losses so far.
-            everyone = gather(side_group(), mine)  # not all_gather_object: it needs numpy
-        payload = self.state_dict([rng for rng, _ in everyone])
-        payload["run"]["seq"] = seq
-        payload["stopped"] = bool(stopped)
-        if partial is not None:
-            payload["partial"] = {"batches": partial["batches"],
-                                  "ranks": [{k: v for k, v in p.items() if k != "batches"} for _, p in everyone]}
-        for cb in self.callbacks:
-            cb.on_save_checkpoint(self, payload)
-        self._write_on_main(payload, path, "checkpoint")
-
-    def _save_run_checkpoint(self, partial: dict[str, Any] | None = None) -> Path:
-        """Write the next checkpoint of ``checkpoint_dir`` (mid-epoch with ``partial``) and drop old ones."""
-        self._run_seq += 1
-        if partial is None:
-            path = self.checkpoint_dir / run_checkpoint_name(self.epoch)
-            self._save(path, stopped=self.stop_training, seq=self._run_seq)
-        else:
-            path = self.checkpoint_dir / run_checkpoint_name(self.epoch + 1, partial["batches"])
-            self._save(path, partial, seq=self._run_seq)
-        if self.is_main_process:
-            prune_run_checkpoints(self.checkpoint_dir, self.keep_last, run_id=self._run_id)
-        return path
-
-    def _on_main(self, fn: Callable[[], Any], what: str, peer_error: Callable[[RankFailedError], BaseException],
-                 broadcast: bool = False) -> Any:
-        """Run ``fn()`` on rank 0 alone; when it fails there, every rank raises (the others ``peer_error``)."""
-        if not (self.distributed and is_distributed()):
-            return fn() if self.is_main_process else None  # a handler told use_distributed=False decides alone
-        return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=peer_error)
-
-    def _start_run(self) -> None:
-        """Before the first epoch: load what ``resume`` names, and claim ``checkpoint_dir`` for this run.
-
-        Rank 0 alone lists the directory and decides (ranks that listed it
-        themselves could see different files while rank 0 is still writing);
-        every rank then loads the file it chose, or raises its refusal.
-        """
-        loaded: dict[str, Any] = {}  # the payload rank 0 already read: only the plan travels
-
-        def plan_on_main() -> dict[str, Any]:
-            try:
-                loaded["payload"], plan = self._plan_run()
-            except ConfigurationError as exc:  # a refusal, which every rank raises alike
-                return {"refused": str(exc)}
-            return plan
-
-        def unread(err: RankFailedError) -> CheckpointError:
-            failure = err.failures[0]
-            return CheckpointError(f"rank 0 could not read checkpoint_dir {self.checkpoint_dir}: "
-                                   f"{failure.exc_type.rpartition('.')[2]}: {failure.message}")
-
-        plan = self._on_main(plan_on_main, f"the resume plan for checkpoint_dir {self.checkpoint_dir}", unread,
-                             broadcast=True)
-        if "refused" in plan:
-            raise ConfigurationError(plan["refused"])
-        if plan["path"] is not None:
-            self._resume_from(Path(plan["path"]), loaded.get("payload"), plan["why"])
-        self._run_seq = max(self._run_seq, plan["seq"])
-        if self.is_main_process and plan["delete"]:
-            for name in plan["delete"]:
-                try:
-                    (self.checkpoint_dir / name).unlink()
-                except FileNotFoundError:
-                    pass
-            log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s",
-                        self.checkpoint_dir, ", ".join(plan["delete"]))
-
-    def _plan_run(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """Rank 0's part of :meth:`_start_run`: ``(payload already loaded or None, plan for every rank)``.
-
-        Raises:
-            ConfigurationError: ``checkpoint_dir`` holds checkpoints of a run
-                other than the one this handler continues, and not ``overwrite``.
-        """
-        directory = self.checkpoint_dir
-        if self._resume == "auto":
-            # Nothing writes into the directory yet, so temporary files are
-            # leftovers of a write that a crash interrupted.
-            remove_stale_temp_files(directory)
-        found = scan_run_checkpoints(directory) if directory is not None else []
-        payload, path, why, run_id, damaged = None, None, "", self._run_id, set()
-        if self._resume == "auto":
-            # Newest by write number, not by epoch: a run resumed from an
-            # earlier checkpoint writes lower epochs after higher ones.
-            for entry in reversed(found):
-                try:
-                    if entry.error is not None:
-                        raise CheckpointError(entry.error)
-                    payload = _checked_payload(load_payload(entry.path), entry.path)
-                except CheckpointError as exc:
-                    log.warning("not resuming from %s: %s", entry.path, exc)
-                    damaged.add(entry.path)
-                    continue
-                path, run_id = entry.path, entry.run_id
-                why = f", the newest of the {len(found)} checkpoints in {directory} by write order"
-                break
-            else:
-                log.info("no checkpoint in %s yet: training starts from the beginning", directory)
-        elif self._resume is not None:
-            path = Path(self._resume)
-            if found:
-                try:
-                    run_id = read_run_info(path)[0]
-                except CheckpointError:
-                    run_id = None  # not loadable: the load reports why, on every rank
-        # Unreadable files belong to no run: neither refused nor deleted (the
-        # next write of that name replaces them).
-        others = [e.path.name for e in found
-                  if e.error is None and e.path not in damaged and run_id is not None and e.run_id != run_id]
-        if others and not self.overwrite:
-            raise ConfigurationError(self._refusal(others, path))
-        return payload, {"path": None if path is None else str(path), "why": why,
-                         "delete": others if self.overwrite else [],
-                         "seq": max((e.seq for e in found if e.seq is not None), default=0)}
-
-    def _refusal(self, others: list[str], resumed: Path | None) -> str:
-        files = ", ".join(others[:6]) + (f", ... ({len(others) - 6} more)" if len(others) > 6 else "")
-        if resumed is None:
-            return (f"checkpoint_dir {self.checkpoint_dir} holds checkpoints of another run ({files}), and this "
-                    f"run would write its own among them: pass resume='auto' to continue that run, overwrite=True "
-                    f"to delete them and start a new run, or use another checkpoint_dir to keep both")
-        remedy = ("move them away or use another checkpoint_dir" if self._resume == "auto" else
-                  "pass overwrite=True to delete them, or use another checkpoint_dir")
-        return (f"checkpoint_dir {self.checkpoint_dir} holds checkpoints of another run than the one resumed from "
-                f"{resumed} ({files}), and this run would write its own among them: {remedy}")
-
-    def _resume_from(self, path: Path, payload: dict[str, Any] | None, why: str = "") -> None:
-        """Load ``path`` on every rank (rank 0 may have loaded it already); every rank raises if one fails."""
-        error = None
-        try:
-            if payload is None:
-                payload = _checked_payload(load_payload(path), path)
-            self._restore(payload, path)
-        except BaseException as exc:  # reported to every rank below, so none trains on alone
-            error = exc
-        if not (self.distributed and is_distributed()):
-            if error is not None:
-                raise error
-        else:
-            try:
-                agree_on_failure(side_group(), f"loading {path}", error, peer_error=lambda err: CheckpointError(
-                    f"another rank could not load {path} (see its error); every rank reads the checkpoint "
-                    f"itself, so it must be on a file system that all nodes share"))
-            finally:
-                error = None  # no frame <-> traceback cycle
-        self._finished_early = bool(payload.get("stopped", False))
-        if self.is_main_process:
-            partial = self._resume_partial
-            log.info("resumed from %s%s: %d epochs complete%s", path, why, self.epoch,
-                     f", {partial['batches']} batches into epoch {self.epoch + 1}" if partial else "")
-
-    def _write_on_main(self, payload: Any, path, what: str) -> None:
-        # Every rank raises when the write fails, so none waits forever.
-        self._on_main(functools.partial(atomic_save, payload, path), f"the write of the {what} {path}",
-                      lambda err: CheckpointError(f"rank 0 could not write the {what} {path}; see rank 0's error"))
-        if self.is_main_process:
-            log.info("saved %s %s", what, path)
+        R.save(self._parts(), self._state, path)
 
     def load_checkpoint(self, path: str | os.PathLike, resume: bool = True) -> int:
         """Load a checkpoint written by :meth:`save_checkpoint`, on every rank.
@@ -1180,112 +562,14 @@ class NNHandler:
             CheckpointMismatchError: Its weights do not fit the model (the
                 message names the keys).
         """
-        epoch = self._restore(_checked_payload(load_payload(path), path), path, resume)
-        self._finished_early = False  # an explicit load means "continue from here"
+        payload = R.checked_payload(load_payload(path), path)
+        epoch = R.restore(self._parts(), self._state, payload, path, resume)
+        self._state.finished_early = False  # an explicit load means "continue from here"
         return epoch
-
-    def _restore(self, payload: dict[str, Any], path, resume: bool = True) -> int:
-        # Everything that can refuse the file does so before anything changes:
-        # a refused load leaves the handler as it was.
-        if resume:
-            self._check_resumable(payload, path)
-        load_weights(self.module, payload["model"], source=str(path))
-        if not resume:
-            return int(payload["epoch"])
-        for name, part, target in (("optimizer", payload["optimizer"], self.optimizer),
-                                   ("scheduler", payload["scheduler"], self.scheduler),
-                                   ("scaler", payload["scaler"], self.scaler)):
-            if part is not None and target is None:
-                log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
-            elif part is not None:
-                target.load_state_dict(part)
-        self.epoch, self.global_step = int(payload["epoch"]), int(payload["global_step"])
-        self._run_id = run_info(payload)[0]  # continuing that run: its files in checkpoint_dir are ours
-        self.history.load_state_dict(payload["history"])
-        rngs = payload["rng"]
-        if len(rngs) != self.world_size:
-            log.warning("%s was written by %d ranks, this run has %d; random streams will differ from an "
-                        "uninterrupted run", path, len(rngs), self.world_size)
-        restore_rng_state(rngs[self.rank % len(rngs)])
-        generator = getattr(getattr(self.train_loader, "sampler", None), "generator", None)
-        if payload.get("sampler_generator") is not None and isinstance(generator, torch.Generator):
-            generator.set_state(payload["sampler_generator"])
-        states = payload.get("callbacks", {})
-        names: dict[str, int] = {}
-        for cb in self.callbacks:
-            name = type(cb).__qualname__
-            names[name] = names.get(name, 0) + 1
-            key = name if names[name] == 1 else f"{name}#{names[name]}"
-            if key in states:
-                cb.load_state_dict(states[key])
-            cb.on_load_checkpoint(self, payload)
-        self._resume_partial = None
-        partial = payload.get("partial")
-        if partial is not None and len(partial["ranks"]) != self.world_size:
-            log.warning("%s was written %d batches into epoch %d by %d ranks and this run has %d, so their shards "
-                        "differ: epoch %d starts over from its first batch, from the weights of the checkpoint",
-                        path, partial["batches"], self.epoch + 1, len(partial["ranks"]), self.world_size,
-                        self.epoch + 1)
-        elif partial is not None:
-            self._resume_partial = {"batches": int(partial["batches"]), "rng": rngs[self.rank],
-                                    **partial["ranks"][self.rank]}
-        return self.epoch
-
-    def _check_resumable(self, payload: dict[str, Any], path) -> None:
-        """Refuse optimizer or scheduler state that this handler's cannot take (torch would fail at the first step)."""
-        for what, target in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
-            saved, mine = payload.get(f"{what}_class"), _class_name(target)
-            if payload[what] is not None and target is not None and saved is not None and saved != mine:
-                raise CheckpointMismatchError(
-                    f"{path} holds the state of a {saved} {what}; this handler's is {mine}: build the handler with "
-                    f"the same {what} class to resume, or load the weights alone with "
-                    f"load_checkpoint(path, resume=False)"
-                )
-        if payload["optimizer"] is not None and self.optimizer is not None:
-            saved_sizes = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
-            sizes = [len(g["params"]) for g in self.optimizer.param_groups]
-            if saved_sizes != sizes:
-                raise CheckpointMismatchError(
-                    f"{path} holds optimizer state for {len(saved_sizes)} parameter group(s) of {saved_sizes} "
-                    f"parameters; this handler's optimizer has {len(sizes)} of {sizes}: build the optimizer as "
-                    f"the run that wrote it did, or load the weights alone with load_checkpoint(path, resume=False)"
-                )
-
-    def _loader_generators(self) -> dict[str, torch.Generator]:
-        loader = self.train_loader
-        found = {"loader": getattr(loader, "generator", None),
-                 "sampler": getattr(getattr(loader, "sampler", None), "generator", None)}
-        return {name: g for name, g in found.items() if isinstance(g, torch.Generator)}
-
-    def _epoch_start_state(self) -> dict[str, Any]:
-        return {"rng": capture_rng_state(),
-                "generators": {name: g.get_state() for name, g in self._loader_generators().items()}}
-
-    def _skip_to(self, resume: dict[str, Any], epoch: int):
-        """This epoch's batch iterator, past the ``resume["batches"]`` already trained before the checkpoint."""
-        state = resume["epoch_start"]
-        restore_rng_state(state["rng"])
-        for name, g in self._loader_generators().items():
-            if name in state["generators"]:
-                g.set_state(state["generators"][name])
-        batches = iter(self.train_loader)
-        done = int(resume["batches"])
-        # Replaying the loader (rather than skipping sampler indices) also
-        # replays whatever randomness the dataset or workers draw per sample.
-        for seen in range(done):
-            try:
-                next(batches)
-            except StopIteration:
-                raise CheckpointError(
-                    f"the checkpoint was written after {done} batches of epoch {epoch}, but the training loader "
-                    f"now yields {seen}; resume with the data and batch size it was written with"
-                ) from None
-        restore_rng_state(resume["rng"])  # the streams as they were at the checkpoint
-        return batches, done
 
     def save_model(self, path: str | os.PathLike) -> None:
         """Write the unwrapped model's ``state_dict`` alone, atomically, from rank 0; call it on every rank."""
-        self._write_on_main(self.module.state_dict(), path, "model")
+        R.write_on_main(self._parts(), self.module.state_dict(), path, "model")
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
@@ -1393,103 +677,12 @@ class NNHandler:
         where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
         return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
 
+    def _parts(self) -> Parts:
+        """What a call works on, handed to :mod:`nn_handler._training` explicitly."""
+        return Parts(view=self, model=self.model, module=self.module, optimizer=self.optimizer,
+                     scheduler=self.scheduler, scaler=self.scaler, loss_fn=self.loss_fn,
+                     train_loader=self.train_loader, val_loader=self.val_loader, callbacks=self.callbacks,
+                     device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size)
 
-class _InputsOnly(nn.Module):
-    """Feeds a model the inputs of ``(inputs, targets)`` batches, as :meth:`NNHandler.predict` does."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *batch):
-        inputs, _ = T.split_batch(batch if len(batch) > 1 else batch[0])
-        return self.model(inputs)
-
-
-class _StopMidEpoch(Exception):
-    """Internal: the ranks agreed to stop for preemption; carries this rank's part of the epoch so far."""
-
-    def __init__(self, partial: dict[str, Any]):
-        super().__init__("preempted mid-epoch")
-        self.partial = partial
-
-
-def _as_float64(values: list) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(v).detach().reshape(()).to("cpu", torch.float64) for v in values]) \
-        if values else torch.zeros(0, dtype=torch.float64)
-
-
-def _class_name(obj: Any) -> str | None:
-    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _checked_payload(payload: Any, path) -> dict[str, Any]:
-    """``payload`` if it is a complete nn_handler checkpoint, else a CheckpointError naming ``path``."""
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
-        raise CheckpointError(
-            f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
-        )
-    # What _restore reads, checked here, so that a damaged or hand-made file
-    # is refused by name before anything is loaded (not a KeyError halfway).
-    kinds = {"model": Mapping, "optimizer": (Mapping, type(None)), "scheduler": (Mapping, type(None)),
-             "scaler": (Mapping, type(None)), "epoch": int, "global_step": int, "history": Mapping,
-             "rng": (list, tuple)}
-    problems = [f"no {key!r}" if key not in payload else f"{key!r} is a {type(payload[key]).__name__}"
-                for key, kind in kinds.items() if key not in payload or not isinstance(payload[key], kind)]
-    if not problems and not payload["rng"]:
-        problems.append("'rng' is empty")
-    optimizer = payload.get("optimizer")
-    if not problems and optimizer is not None and not (
-            isinstance(optimizer.get("state"), Mapping) and isinstance(optimizer.get("param_groups"), (list, tuple))
-            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
-                    for g in optimizer["param_groups"])):
-        problems.append("'optimizer' is not an optimizer state_dict")
-    if problems:
-        raise CheckpointError(f"{path} is not a complete nn_handler checkpoint ({', '.join(problems)}); "
-                              f"was it changed after NNHandler.save_checkpoint wrote it?")
-    return payload
-
-
-def _check_not_empty(data: DataLoader | Dataset, what: str) -> None:
-    dataset = data.dataset if isinstance(data, DataLoader) else data
-    try:
-        size = len(dataset)
-    except TypeError:
-        return  # an IterableDataset without a length: found out when it yields nothing
-    if size == 0:
-        raise ConfigurationError(f"the {what} dataset is empty (0 samples)")
-
-
-def _weighted_sum(values: list, weights: torch.Tensor) -> torch.Tensor:
-    t = torch.stack([torch.as_tensor(v).detach().reshape(()).to(weights.device, torch.float64) for v in values])
-    return (t * weights).sum()
-
-
-def _first_nonfinite(losses: torch.Tensor) -> tuple[int, float]:
-    """``(index, value)`` of the first NaN/inf entry, or ``(-1, 0.0)``."""
-    bad = (~torch.isfinite(losses)).nonzero()
-    if bad.numel() == 0:
-        return -1, 0.0
-    i = int(bad[0, 0])
-    return i, float(losses[i])
-
-
-def _assemble(parts: list, n: int) -> torch.Tensor:
-    """Put every rank's ``(indices, outputs)`` into one tensor in dataset order; each index exactly once."""
-    template = next((out for _, out in parts if out is not None and len(out)), None)
-    if template is None:
-        raise ConfigurationError("predict(): the data yielded no samples")
-    result = torch.empty((n, *template.shape[1:]), dtype=template.dtype)
-    filled = torch.zeros(n, dtype=torch.bool)
-    for indices, out in parts:
-        if not indices:
-            continue
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        if filled[idx].any():
-            raise RuntimeError("predict(): a sample came back from two ranks; the sampler is not a partition")
-        result[idx] = out
-        filled[idx] = True
-    if not filled.all():
-        raise RuntimeError(f"predict(): {int((~filled).sum())} samples came back from no rank")
-    return result
+    def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
+        return D.make_loader(data, loader_kwargs, self._parallel, shuffle=shuffle, seed=self.config.seed)

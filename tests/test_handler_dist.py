@@ -26,14 +26,14 @@ def _train_body(rank, grad_accum):
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from nn_handler import NNHandler
+    import nn_handler._training.loop as training_loop
     from scripts.handler_case import make_data, make_handler, make_model, weights
 
     X, y = make_data(96)
     Xv, yv = make_data(37, seed=1)
     bars = []
-    real_bar = NNHandler._progress_bar
-    NNHandler._progress_bar = lambda self, *a: bars.append(a) or real_bar(self, *a)
+    real_bar = training_loop.EpochBar  # count the epochs' bars (this rank's process is ours alone)
+    training_loop.EpochBar = lambda *a, **k: bars.append(a) or real_bar(*a, **k)
     handler = make_handler(make_model(), grad_accum_steps=grad_accum)
     assert isinstance(handler.model, DistributedDataParallel) and handler.world_size == 2
     calls = {"n": 0}

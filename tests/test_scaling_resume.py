@@ -195,7 +195,7 @@ def test_overwrite_starts_a_new_run_whose_checkpoints_stay_and_resume(tmp_path, 
     assert os.path.isfile(info.value.checkpoint)  # reported as written, and there
     assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0001.ckpt", "epoch-0002-batch-000004.ckpt"]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0001.ckpt", "epoch-0002-batch-000004.ckpt"]  # the old run's: gone
-    caplog.set_level(logging.INFO, logger="nn_handler.handler")
+    caplog.set_level(logging.INFO, logger="nn_handler")
     second = build(tmp_path, resume="auto")
     second.train(EPOCHS, progress=False)
     assert f"resumed from {info.value.checkpoint}" in caplog.text
@@ -212,7 +212,7 @@ def test_auto_resume_takes_the_newest_checkpoint_by_write_order_not_by_epoch(tmp
               callbacks=[AtStep(20, sigterm_to(os.getpid))]).train(EPOCHS, progress=False)
     assert os.path.basename(info.value.checkpoint) == "epoch-0004-batch-000004.ckpt"
     assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0004.ckpt", "epoch-0004-batch-000004.ckpt"]
-    caplog.set_level(logging.INFO, logger="nn_handler.handler")
+    caplog.set_level(logging.INFO, logger="nn_handler")
     steps = _Steps()
     rerun = build(tmp_path, resume="auto", callbacks=[steps])
     rerun.train(EPOCHS, progress=False)
@@ -338,7 +338,7 @@ def test_two_ranks_refuse_a_directory_of_another_run_together_or_take_it_over(tm
 
 
 def test_signal_catcher_puts_the_previous_handler_back_and_redelivers_an_unhandled_signal():
-    from nn_handler._preemption import SignalCatcher
+    from nn_handler._training.preemption import SignalCatcher
 
     calls = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
@@ -359,7 +359,7 @@ def test_signal_catcher_puts_the_previous_handler_back_and_redelivers_an_unhandl
 def test_signal_catcher_outside_the_main_thread_installs_nothing():
     import threading
 
-    from nn_handler._preemption import SignalCatcher
+    from nn_handler._training.preemption import SignalCatcher
 
     before = signal.getsignal(signal.SIGTERM)
     seen = []
@@ -375,7 +375,7 @@ def test_signal_catcher_outside_the_main_thread_installs_nothing():
 
 
 def test_a_peer_failure_waits_only_under_torchrun(monkeypatch):
-    import nn_handler._training as T
+    import nn_handler._training.loop as T
 
     slept = []
     monkeypatch.setattr(T.time, "sleep", slept.append)

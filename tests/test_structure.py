@@ -29,7 +29,17 @@ NOT_IN_A_WORKER = {
     "nn_handler.checkpoint",
     "nn_handler.history",
     "nn_handler._training",
-    "nn_handler._preemption",
+    "nn_handler._training.config",
+    "nn_handler._training.state",
+    "nn_handler._training.parts",
+    "nn_handler._training.data",
+    "nn_handler._training.step",
+    "nn_handler._training.loop",
+    "nn_handler._training.metrics",
+    "nn_handler._training.evaluation",
+    "nn_handler._training.resume",
+    "nn_handler._training.preemption",
+    "nn_handler._training.progress",
     "nn_handler.utils._models.wrap",
     "nn_handler.utils._models.data_parallel",
     "nn_handler.utils._models.predict",
@@ -161,6 +171,46 @@ def test_errors_import_nothing_from_the_package():
     assert import_graph()["nn_handler.errors"] == set()
 
 
+# A module longer than this holds more than one idea; handler.py is the public face, mostly docstrings.
+MAX_LINES = 600
+MAX_LINES_OF = {"nn_handler/handler.py": 700}
+
+
+def test_no_module_is_longer_than_its_budget():
+    too_long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(REPO).as_posix()
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES_OF.get(where, MAX_LINES):
+            too_long[where] = lines
+    assert not too_long, f"modules over their line budget ({MAX_LINES}; {MAX_LINES_OF}): {too_long}"
+
+
+def test_the_training_package_never_imports_the_trainer_or_concrete_callbacks():
+    # _training takes explicit parts: the public face imports it, never the other way round (not even
+    # deferred, inside a function), and callbacks reach it only as the TrainerView protocol.
+    files = sorted((PACKAGE / "_training").rglob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [(module, alias.name) for alias in node.names]
+            else:
+                continue
+            for module, imported in targets:
+                assert module != "nn_handler.handler" and (module, imported) != ("nn_handler", "handler"), \
+                    f"{name} imports the trainer (line {node.lineno})"
+                assert module != "nn_handler", f"{name} imports the package face, which loads the trainer"
+                if module == "nn_handler.callbacks":
+                    assert imported == "TrainerView", f"{name} imports callbacks.{imported} (line {node.lineno})"
+
+
 @pytest.mark.parametrize("start", ["nn_handler", "nn_handler.utils._workers.worker"])
 def test_the_package_face_and_the_worker_child_import_no_trainer_or_model_helpers(start):
     loaded = _closure(import_graph(type_checking=False), start)
@@ -266,7 +316,7 @@ def test_every_public_exception_lives_in_errors():
             obj = getattr(mod, name)
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 public[f"{module}.{name}"] = obj
-    for module in ("nn_handler.utils._workers.pool", "nn_handler._preemption"):  # private homes of public errors
+    for module in ("nn_handler.utils._workers.pool", "nn_handler._training.preemption"):  # private homes of public errors
         mod = importlib.import_module(module)
         for name, obj in vars(mod).items():
             if isinstance(obj, type) and issubclass(obj, BaseException) and not name.startswith("_"):

@@ -8,9 +8,10 @@ from collections import OrderedDict, defaultdict, namedtuple
 import pytest
 import torch
 
-from nn_handler import _training
+from nn_handler._training import data as training_data
 from nn_handler._tree import apply, combine, detach_cpu, tensors, to_device
-from nn_handler.utils import _placement, _predict
+from nn_handler.utils._models import placement as _placement
+from nn_handler.utils._models import predict as _predict
 
 Pair = namedtuple("Pair", "inputs targets")
 
@@ -111,12 +112,12 @@ def test_tensors_names_where_each_tensor_sits():
 
 # ----------------------------------------------------------------------------- the sites (each failed on the old walks)
 def test_training_head_keeps_namedtuples():
-    out = _training.head(Pair(torch.arange(4), torch.arange(4) * 2), 2)
+    out = training_data.head(Pair(torch.arange(4), torch.arange(4) * 2), 2)
     assert isinstance(out, Pair) and out.inputs.tolist() == [0, 1] and out.targets.tolist() == [0, 2]
 
 
 def test_training_to_device_keeps_dict_subclasses_and_moves_dataclasses():
-    out = _training.to_device((Tagged(x=torch.ones(1)), Batch(torch.ones(1))), META)
+    out = to_device((Tagged(x=torch.ones(1)), Batch(torch.ones(1))), META)
     assert type(out[0]) is Tagged and out[0]["x"].device == META
     assert out[1].x.device == META
 

@@ -37,8 +37,8 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from .errors import PREEMPTED_EXIT_CODE, TrainingPreempted  # re-exported: their home was here
-from .utils._collectives import check_collective_allowed, reduce_ints, side_group
+from ..errors import PREEMPTED_EXIT_CODE, TrainingPreempted  # re-exported: their home was here
+from ..utils._collectives import check_collective_allowed, reduce_ints, side_group
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "TrainingPreempted", "SignalCatcher", "PreemptionMonitor"]
 

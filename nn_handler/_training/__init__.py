@@ -1,0 +1,21 @@
+"""What :class:`~nn_handler.NNHandler` orchestrates: the training loop and its parts, private.
+
+Every function here takes the parts it works on explicitly (a
+:class:`~nn_handler._training.parts.Parts` of model, optimizer, loaders and
+callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
+:class:`~nn_handler._training.state.TrainingState`); nothing here imports
+:mod:`nn_handler.handler`. Callbacks receive the trainer as a
+:class:`~nn_handler.callbacks.TrainerView`, handed over in ``Parts.view``.
+
+    config.py      the constructor's knobs, validated once (frozen)
+    state.py       epoch, global step, stop flag, History, run identity, resume marker
+    parts.py       the objects one call works on
+    data.py        loaders, samplers, batch helpers, the mid-epoch replay
+    step.py        autocast, one optimizer step (scaler, clipping)
+    loop.py        epochs, hooks, accumulation and no_sync, finite checks, the preemption stop
+    metrics.py     the epoch's sums, one all-reduce, non-finite losses
+    evaluation.py  evaluate and predict, every sample exactly once
+    resume.py      what a checkpoint holds, and how a run starts and resumes
+    preemption.py  SIGTERM -> a checkpoint and a clean exit
+    progress.py    the tqdm bar of an epoch
+"""

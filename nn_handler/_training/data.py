@@ -1,0 +1,155 @@
+"""Loaders, samplers and batch helpers of the training loop; the replay of a half-trained epoch.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+
+from .._checks import check_int
+from .._tree import apply, tensors
+from ..checkpoint import capture_rng_state, restore_rng_state
+from ..errors import CheckpointError, ConfigurationError
+from ..utils.parallel import MultiGPUConfig, prepare_dataloader
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch: a pair gives both, a lone tensor or 1-tuple only inputs."""
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) == 1:
+            return batch[0], None
+        raise ValueError(
+            f"a batch must be (inputs, targets) or inputs alone, got a {type(batch).__name__} of {len(batch)} items; "
+            f"give the loader a collate_fn that returns a pair"
+        )
+    return batch, None
+
+
+def batch_size_of(inputs: Any, targets: Any) -> int:
+    """Number of samples in a batch: the first dimension of the targets, else of the inputs."""
+    for obj in (targets, inputs):
+        first = obj if isinstance(obj, torch.Tensor) else next((t for _, t in tensors(obj)), None)
+        if first is not None and first.dim() > 0:
+            return first.shape[0]
+    raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
+
+
+def head(obj: Any, n: int) -> Any:
+    """The first ``n`` samples of a batch-shaped object (tensors inside tuples, lists, dicts, dataclasses)."""
+    return apply(obj, lambda t: t[:n])
+
+
+def real_sample_count(loader: DataLoader) -> int | None:
+    """How many of this rank's samples are real when a ``DistributedSampler`` pads the dataset.
+
+    ``DistributedSampler(drop_last=False)`` repeats samples so every rank gets
+    the same count; the repeats occupy the last global positions, so on each
+    rank they are the trailing ones. Returns ``None`` when nothing is padded.
+    """
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return None
+    n = len(sampler.dataset)
+    return len(range(sampler.rank, n, sampler.num_replicas))
+
+
+def make_loader(data: Any, loader_kwargs: dict, parallel: MultiGPUConfig, *, shuffle: bool,
+                seed: int | None) -> DataLoader:
+    """A loader over ``data`` (a DataLoader, a Dataset or a tuple of tensors), sharded under DDP."""
+    if isinstance(data, DataLoader):
+        if loader_kwargs:
+            raise ConfigurationError(
+                f"loader settings {sorted(loader_kwargs)} only apply to a Dataset; "
+                f"the given DataLoader keeps its own"
+            )
+        loader = data
+    else:
+        if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+            data = TensorDataset(*data)
+        if not isinstance(data, Dataset):
+            raise TypeError(
+                f"data must be a DataLoader, a Dataset or a tuple of tensors, got {type(data).__name__}"
+            )
+        check_not_empty(data, "given")
+        kwargs = {"batch_size": DEFAULT_BATCH_SIZE, **loader_kwargs}
+        if not isinstance(data, IterableDataset):
+            kwargs.setdefault("shuffle", shuffle)
+        loader = DataLoader(data, **kwargs)
+    # Evaluation order does not matter, and unshuffled shards keep the
+    # padding DistributedSampler adds at the end, where it is cut off.
+    return prepare_dataloader(loader, parallel, shuffle=None if shuffle else False,
+                              seed=seed if seed is not None else 0)
+
+
+def predict_loader(data: Any, batch_size: int | None, parallel: MultiGPUConfig, seed: int | None) -> DataLoader:
+    """An unshuffled loader over every sample of ``data`` for prediction (a loader's batching is kept)."""
+    if batch_size is not None:
+        check_int("batch_size", batch_size, minimum=1)
+    if isinstance(data, torch.Tensor):
+        data = TensorDataset(data)
+    if isinstance(data, DataLoader):
+        loader = DataLoader(data.dataset, batch_size=batch_size or data.batch_size or DEFAULT_BATCH_SIZE,
+                            shuffle=False, drop_last=False, collate_fn=data.collate_fn,
+                            num_workers=data.num_workers, pin_memory=data.pin_memory)
+        return prepare_dataloader(loader, parallel, shuffle=False)
+    return make_loader(data, {"batch_size": batch_size or DEFAULT_BATCH_SIZE, "drop_last": False}, parallel,
+                       shuffle=False, seed=seed)
+
+
+def check_not_empty(data: DataLoader | Dataset, what: str) -> None:
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    try:
+        size = len(dataset)
+    except TypeError:
+        return  # an IterableDataset without a length: found out when it yields nothing
+    if size == 0:
+        raise ConfigurationError(f"the {what} dataset is empty (0 samples)")
+
+
+def loader_generators(loader: DataLoader | None) -> dict[str, torch.Generator]:
+    """The loader's and its sampler's own generators (what, with the global streams, orders an epoch)."""
+    found = {"loader": getattr(loader, "generator", None),
+             "sampler": getattr(getattr(loader, "sampler", None), "generator", None)}
+    return {name: g for name, g in found.items() if isinstance(g, torch.Generator)}
+
+
+def sampler_generator(loader: DataLoader | None) -> torch.Generator | None:
+    generator = getattr(getattr(loader, "sampler", None), "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def epoch_start_state(loader: DataLoader) -> dict[str, Any]:
+    """What decides an epoch's batch order, taken before the loader draws from it."""
+    return {"rng": capture_rng_state(),
+            "generators": {name: g.get_state() for name, g in loader_generators(loader).items()}}
+
+
+def skip_to(loader: DataLoader, resume: dict[str, Any], epoch: int) -> tuple[Iterator, int]:
+    """This epoch's batch iterator, past the ``resume["batches"]`` already trained before the checkpoint."""
+    state = resume["epoch_start"]
+    restore_rng_state(state["rng"])
+    for name, g in loader_generators(loader).items():
+        if name in state["generators"]:
+            g.set_state(state["generators"][name])
+    batches = iter(loader)
+    done = int(resume["batches"])
+    # Replaying the loader (rather than skipping sampler indices) also
+    # replays whatever randomness the dataset or workers draw per sample.
+    for seen in range(done):
+        try:
+            next(batches)
+        except StopIteration:
+            raise CheckpointError(
+                f"the checkpoint was written after {done} batches of epoch {epoch}, but the training loader "
+                f"now yields {seen}; resume with the data and batch size it was written with"
+            ) from None
+    restore_rng_state(resume["rng"])  # the streams as they were at the checkpoint
+    return batches, done

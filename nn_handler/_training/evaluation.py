@@ -1,0 +1,152 @@
+"""Evaluate and predict: every sample counted exactly once over all ranks.
+
+``DistributedSampler(drop_last=False)`` pads a dataset whose size does not
+divide by the number of ranks; evaluation cuts the padding off each rank's
+last batch, and prediction sends each output back with its sample index, so
+neither counts a sample twice.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from .._tree import to_device
+from ..errors import ConfigurationError
+from ..utils._collectives import gather, side_group
+from ..utils.parallel import parallel_predict
+from . import data as D
+from . import metrics as M
+from .config import TrainingConfig
+from .parts import Parts
+from .step import autocast_context
+
+
+def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
+    """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
+    if parts.loss_fn is None:
+        raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
+    module, loss_fn, metrics = parts.module, parts.loss_fn, config.metrics
+    was_training = module.training
+    module.eval()
+    real = D.real_sample_count(loader)
+    losses, sizes = [], []
+    metric_values: list[list] = [[] for _ in metrics]
+    seen = 0
+    try:
+        # The unwrapped module: DDP's forward is not needed without
+        # gradients, and avoiding it keeps evaluation free of collectives.
+        with torch.no_grad(), autocast_context(parts.device, config.amp):
+            for batch in loader:
+                inputs, targets = D.split_batch(to_device(batch, parts.device))
+                if targets is None:
+                    raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
+                n = D.batch_size_of(inputs, targets)
+                keep = n if real is None else min(n, real - seen)
+                seen += n
+                if keep <= 0:
+                    break  # only DistributedSampler padding is left
+                outputs = module(inputs)
+                if keep < n:
+                    outputs, targets = D.head(outputs, keep), D.head(targets, keep)
+                losses.append(loss_fn(outputs, targets).detach())
+                sizes.append(keep)
+                for values, fn in zip(metric_values, metrics.values()):
+                    values.append(fn(outputs, targets))
+    finally:
+        module.train(was_training)
+    if not losses:
+        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(metrics)
+    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, metric_values)
+
+
+def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[str, float]:
+    """``{"loss": ..., "<metric>": ...}`` over ``loader``, identical on every rank."""
+    D.check_not_empty(loader, "evaluation")
+    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, loader), [], parts.device, parts.distributed)
+    if totals[1] == 0:
+        raise ConfigurationError("evaluate(): the data yielded no samples")
+    return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, config.metrics).items()}
+
+
+def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.Tensor:
+    """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank."""
+    sampler = loader.sampler
+    real = D.real_sample_count(loader)
+    module = parts.module
+    was_training = module.training
+    module.eval()
+    outputs = []
+    try:
+        with torch.no_grad(), autocast_context(parts.device, config.amp):
+            for batch in loader:
+                inputs, _ = D.split_batch(to_device(batch, parts.device))
+                out = module(inputs)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"predict() needs a model that returns a tensor, got {type(out).__name__}")
+                outputs.append(out.detach().cpu())
+    finally:
+        module.train(was_training)
+    local = torch.cat(outputs) if outputs else None
+    if not isinstance(sampler, DistributedSampler) or not parts.in_group:
+        if local is None:
+            raise ConfigurationError("predict(): the data yielded no samples")
+        return local
+    indices = list(iter(sampler))
+    count = real if real is not None else len(indices)
+    part = (indices[:count], local[:count] if local is not None else None)
+    parts_of_ranks = gather(side_group(), part)  # not all_gather_object: it needs numpy
+    return _assemble(parts_of_ranks, len(sampler.dataset))
+
+
+def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch_size: int | None,
+                          device_ids: Sequence[int | str] | None) -> torch.Tensor:
+    """:func:`~nn_handler.parallel_predict` over the unwrapped model, from a single process."""
+    if parts.in_group:
+        raise ConfigurationError(
+            "predict(data_parallel=True) starts one worker per device itself; call it from a single "
+            "process, not from every DDP rank (plain predict() already splits the data over the ranks)"
+        )
+    if batch_size is None and isinstance(data, DataLoader):
+        batch_size = data.batch_size
+    if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
+        data = TensorDataset(*data)
+    return parallel_predict(InputsOnly(parts.module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
+                            device_ids=device_ids, autocast=config.amp)
+
+
+class InputsOnly(nn.Module):
+    """Feeds a model the inputs of ``(inputs, targets)`` batches, as :meth:`NNHandler.predict` does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch):
+        inputs, _ = D.split_batch(batch if len(batch) > 1 else batch[0])
+        return self.model(inputs)
+
+
+def _assemble(parts: list, n: int) -> torch.Tensor:
+    """Put every rank's ``(indices, outputs)`` into one tensor in dataset order; each index exactly once."""
+    template = next((out for _, out in parts if out is not None and len(out)), None)
+    if template is None:
+        raise ConfigurationError("predict(): the data yielded no samples")
+    result = torch.empty((n, *template.shape[1:]), dtype=template.dtype)
+    filled = torch.zeros(n, dtype=torch.bool)
+    for indices, out in parts:
+        if not indices:
+            continue
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if filled[idx].any():
+            raise RuntimeError("predict(): a sample came back from two ranks; the sampler is not a partition")
+        result[idx] = out
+        filled[idx] = True
+    if not filled.all():
+        raise RuntimeError(f"predict(): {int((~filled).sum())} samples came back from no rank")
+    return result

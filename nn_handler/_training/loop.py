@@ -1,0 +1,294 @@
+"""The training loop: epochs, hooks, accumulation and ``no_sync``, finite checks, the preemption stop.
+
+Collectives per epoch, beyond DDP's own gradient all-reduce: one all-reduce
+of the epoch's sums (losses, metrics, sample counts, timings, memory, the
+first non-finite step), one for the stop flag, and, with validation, nothing
+more. Per training step the loop makes no collective and, in a distributed
+run, reads no value back from the device. The flow of :meth:`Loop.run`::
+
+    on_train_begin
+    per epoch:   on_epoch_begin -> batches (on_batch_begin, Step.forward/backward,
+                 every k-th: Step.optimizer_step, on_batch_end, the preemption check)
+                 -> validation -> one all-reduce -> History row, scheduler step -> on_epoch_end
+                 -> agree on stop / preemption -> the epoch's checkpoint (with checkpoint_dir)
+    on_train_end
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .._tree import to_device
+from ..errors import ConfigurationError, NonFiniteLossError
+from ..utils.ddp_decorators import any_rank
+from . import data as D
+from . import metrics as M
+from .config import TrainingConfig
+from .evaluation import eval_sums
+from .parts import Parts
+from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
+from .progress import EpochBar
+from .resume import save_run_checkpoint
+from .state import TrainingState
+from .step import Step
+
+log = logging.getLogger(__name__)
+
+
+class Loop:
+    """Trains ``parts`` under ``config`` from where ``state`` stands; :meth:`run` is the whole of ``train()``."""
+
+    def __init__(self, parts: Parts, config: TrainingConfig, state: TrainingState):
+        self.parts, self.config, self.state = parts, config, state
+
+    def run(self, epochs: int, validate_every: int, progress: bool) -> None:
+        """Train up to epoch ``epochs``, with the train-level hooks around it."""
+        parts = self.parts
+        self.state.stop_training = False
+        for cb in parts.callbacks:
+            cb.on_train_begin(parts.view)
+        try:
+            self._until(epochs, validate_every, progress)
+        except Exception as exc:
+            # Outside the SIGTERM catcher: torchrun's SIGTERM ends the wait.
+            wait_if_peer_failed(exc)
+            raise
+        for cb in parts.callbacks:
+            cb.on_train_end(parts.view)
+
+    def _until(self, epochs: int, validate_every: int, progress: bool) -> None:
+        parts, config, state = self.parts, self.config, self.state
+        catcher = SignalCatcher() if config.checkpoint_dir is not None else None
+        with catcher if catcher is not None else contextlib.nullcontext():
+            monitor = None
+            if catcher is not None:
+                monitor = PreemptionMonitor(catcher, parts.in_group, config.preemption_check_every)
+            while state.epoch < epochs:
+                try:
+                    self._epoch(epochs, validate_every, progress, monitor)
+                except _StopMidEpoch as stop:
+                    path = save_run_checkpoint(parts, config, state, stop.partial)
+                    raise self._preempted(path, state.epoch + 1, stop.partial["batches"], catcher) from None
+                # Agree, so that a callback that stopped one rank stops them all
+                # after the same epoch (the next epoch's collectives would hang);
+                # with a monitor, one collective says "stop" and "preempted".
+                if monitor is None:
+                    stop, preempt = (any_rank(state.stop_training) if parts.in_group
+                                     else bool(state.stop_training)), False
+                else:
+                    stop, preempt = monitor.epoch_end(state.stop_training)
+                state.stop_training = stop
+                if config.checkpoint_dir is not None:
+                    path = save_run_checkpoint(parts, config, state)
+                if preempt:
+                    raise self._preempted(path, state.epoch, 0, catcher)
+                if stop:
+                    break
+
+    def _preempted(self, path: Path, epoch: int, batches: int, catcher: SignalCatcher) -> TrainingPreempted:
+        # Every rank raises the same exception; the one that did not receive
+        # the signal itself still names it (another rank did).
+        exc = TrainingPreempted(str(path), epoch, batches, signal_name(catcher.received or PREEMPTION_SIGNALS[0]))
+        catcher.handled = True
+        if self.parts.is_main_process:
+            log.warning("%s", exc)
+        return exc
+
+    def _epoch(self, epochs: int, validate_every: int, progress: bool, monitor: PreemptionMonitor | None) -> None:
+        parts, config, state = self.parts, self.config, self.state
+        epoch = state.epoch + 1
+        for cb in parts.callbacks:
+            cb.on_epoch_begin(parts.view, epoch)
+        sampler = getattr(parts.train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(state.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
+        lr = parts.optimizer.param_groups[0]["lr"]
+        M.reset_peak_memory(parts.device)
+        start = time.perf_counter()
+        train = self._train_epoch(epoch, epochs, progress, monitor)
+        train_time = time.perf_counter() - start
+        validate = parts.val_loader is not None and epoch % validate_every == 0
+        val = eval_sums(parts, config, parts.val_loader) if validate else []
+        epoch_time = time.perf_counter() - start
+
+        mine = [train_time, epoch_time, M.peak_memory_mb(parts.device), train["bad_step"], train["bad_value"]]
+        totals, ranks = M.reduce_over_ranks(train["sums"] + val, mine, parts.device, parts.distributed)
+        bad = [(r, int(v[3]), v[4]) for r, v in enumerate(ranks) if v[3] >= 0]
+        if bad:
+            M.raise_nonfinite(epoch, bad, parts.distributed)
+
+        k = len(train["sums"])
+        row: dict[str, Any] = {"epoch": epoch, **M.means("train_", totals[:k], config.metrics)}
+        if validate:
+            val_logs = M.means("val_", totals[k:], config.metrics)
+            row.update(val_logs)
+            for cb in parts.callbacks:
+                cb.on_validation_end(parts.view, epoch, val_logs)
+        slowest_train = max(v[0] for v in ranks)
+        row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
+                   samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
+        row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
+        _step_scheduler(parts.scheduler, row)
+        state.epoch = epoch
+        state.history.append(row)
+        if parts.is_main_process:
+            log.info("epoch %d/%d: %s", epoch, epochs,
+                     " ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_"))))
+        for cb in parts.callbacks:
+            cb.on_epoch_end(parts.view, epoch, row)
+
+    def _train_epoch(self, epoch: int, epochs: int, progress: bool,
+                     monitor: PreemptionMonitor | None) -> dict[str, Any]:
+        parts, config, state = self.parts, self.config, self.state
+        model, loader, device, view = parts.model, parts.train_loader, parts.device, parts.view
+        callbacks, k, metrics = parts.callbacks, config.grad_accum_steps, config.metrics
+        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, device, config.amp,
+                    config.clip_grad_norm, k)
+        model.train()
+        try:
+            n_batches = len(loader)
+        except TypeError:  # an IterableDataset without __len__
+            n_batches = None
+        # Skipping the all-reduce needs to know which micro-step is the last
+        # of an epoch; without a length every micro-step synchronizes.
+        no_sync = isinstance(model, DistributedDataParallel) and k > 1 and n_batches is not None
+        # Checking a loss on the host costs a CPU-GPU sync: by default only
+        # where that is free (a single CPU process); elsewhere at epoch end.
+        check_each_step = not parts.distributed and (
+            config.finite_check_every == 1 or (config.finite_check_every is None and device.type == "cpu"))
+        check_every = None if check_each_step else config.finite_check_every
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
+        metric_values: list[list] = [[] for _ in metrics]
+        resume, state.resume_partial = state.resume_partial, None
+        first = 0
+        if resume is not None:
+            epoch_start = resume["epoch_start"]
+            batches, first = D.skip_to(loader, resume, epoch)
+            losses = [t.to(device) for t in resume["losses"].unbind(0)]
+            sizes = [int(n) for n in resume["sizes"]]
+            metric_values = [list(t.unbind(0)) for t in resume["metrics"]]
+        else:
+            # What decides this epoch's batch order (the global generators, the
+            # loader's and sampler's own), taken before the loader draws from
+            # them: a mid-epoch checkpoint needs it to replay the same order.
+            epoch_start = D.epoch_start_state(loader) if monitor is not None else None
+            batches = iter(loader)
+        bar = (EpochBar(epoch, epochs, n_batches, first, parts.world_size)
+               if progress and parts.is_main_process else None)
+        micro = 0
+        try:
+            for i, batch in enumerate(batches, start=first):
+                for cb in callbacks:
+                    cb.on_batch_begin(view, i)
+                inputs, targets = D.split_batch(to_device(batch, device))
+                if targets is None:
+                    raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
+                micro += 1
+                boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
+                with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
+                    outputs, loss = step.forward(inputs, targets)
+                    if check_each_step and not torch.isfinite(loss):
+                        raise NonFiniteLossError(epoch, i, float(loss.detach()))
+                    step.backward(loss)
+                if boundary:
+                    step.optimizer_step()
+                    state.global_step += 1
+                    micro = 0
+                detached = loss.detach()
+                losses.append(detached)
+                sizes.append(D.batch_size_of(inputs, targets))
+                if metrics:
+                    with torch.no_grad():
+                        out = outputs.detach()
+                        for values, fn in zip(metric_values, metrics.values()):
+                            values.append(fn(out, targets))
+                for cb in callbacks:
+                    cb.on_batch_end(view, i, detached)
+                if check_every and (i + 1) % check_every == 0:
+                    M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
+                if bar is not None:
+                    bar.advance(losses, sizes)
+                # After the whole step (update, hooks): a preemption stops
+                # between two optimizer steps, never inside an accumulation group.
+                if monitor is not None and boundary and monitor.step_done(n_batches is not None and i + 1 == n_batches):
+                    raise _StopMidEpoch({
+                        "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
+                        "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values]})
+            if micro:  # an unsized loader ended inside an accumulation group
+                step.optimizer_step()
+                state.global_step += 1
+        finally:
+            if bar is not None:
+                bar.close()
+        if not losses:
+            raise ConfigurationError(
+                "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
+                "batch_size, or fewer samples than ranks?)"
+            )
+        stacked = torch.stack(losses).to(torch.float64)
+        sums = M.batch_sums(stacked, sizes, metric_values)
+        bad_step, bad_value = M.first_nonfinite(stacked)
+        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value}
+
+
+class _StopMidEpoch(Exception):
+    """Internal: the ranks agreed to stop for preemption; carries this rank's part of the epoch so far."""
+
+    def __init__(self, partial: dict[str, Any]):
+        super().__init__("preempted mid-epoch")
+        self.partial = partial
+
+
+def _step_scheduler(scheduler: Any, row: dict) -> None:
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(row.get("val_loss", row["train_loss"]))
+    else:
+        scheduler.step()
+
+
+# Under torchrun, when one rank fails its peers fail a moment later, in the
+# collective that waited for it ("Connection closed by peer"). torchrun names
+# as root cause the failure with the earliest timestamp, in whole seconds, and
+# the lowest rank on a tie, so a peer's secondary error could be reported
+# instead of the rank that really failed. A peer that waits a little lets the
+# agent see the real failure first; the agent then stops it with SIGTERM, so
+# the wait rarely runs to its end.
+PEER_FAILURE_GRACE_S = 2.0
+_PEER_FAILURE_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the errors a rank gets when another rank of its group went away.
+
+    Example:
+        >>> is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242"))
+        True
+        >>> is_peer_failure(ValueError("bad batch"))
+        False
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_FAILURE_TEXT)
+
+
+def wait_if_peer_failed(exc: BaseException, environ: Mapping[str, str] | None = None) -> bool:
+    """Under torchrun, pause :data:`PEER_FAILURE_GRACE_S` before a peer failure propagates; True if it paused."""
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in environ or not is_peer_failure(exc):
+        return False
+    time.sleep(PEER_FAILURE_GRACE_S)
+    return True

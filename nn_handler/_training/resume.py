@@ -1,0 +1,352 @@
+"""What a checkpoint holds, how it is written from rank 0, and how a run starts and resumes.
+
+A run owns the files of ``checkpoint_dir`` that carry its id. At the first
+``train()``, rank 0 alone lists the directory and decides (:func:`start_run`):
+which file to resume from, whether another run's files refuse the directory
+or are deleted (``overwrite``); every rank then loads the chosen file itself,
+and every rank raises if one of them fails.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..checkpoint import (
+    FORMAT,
+    atomic_save,
+    capture_rng_state,
+    load_payload,
+    load_weights,
+    prune_run_checkpoints,
+    read_run_info,
+    remove_stale_temp_files,
+    restore_rng_state,
+    run_checkpoint_name,
+    run_info,
+    scan_run_checkpoints,
+)
+from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
+from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
+from .config import TrainingConfig
+from .data import sampler_generator
+from .parts import Parts
+from .state import TrainingState
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- writing
+def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = None) -> dict[str, Any]:
+    """Everything a resume needs to continue exactly, as plain tensors and values."""
+    generator = sampler_generator(parts.train_loader)
+    return {
+        "format": FORMAT,
+        "run": {"id": state.run_id, "seq": None},  # seq: the write number in checkpoint_dir
+        "model": parts.module.state_dict(),
+        "optimizer": parts.optimizer.state_dict() if parts.optimizer is not None else None,
+        "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        # Another class's state loads without a word and fails at the first step.
+        "optimizer_class": class_name(parts.optimizer),
+        "scheduler_class": class_name(parts.scheduler),
+        **state.state_dict(),
+        "rng": rng_states if rng_states is not None else [capture_rng_state()],
+        "world_size": parts.world_size,
+        "sampler_generator": generator.get_state() if generator is not None else None,
+        "callbacks": {key: cb.state_dict() for key, cb in _callback_keys(parts.callbacks)},
+        "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
+    }
+
+
+def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
+         seq: int | None = None) -> None:
+    """Gather every rank's random state (and mid-epoch part), then write the checkpoint from rank 0."""
+    mine = (capture_rng_state(), partial)
+    everyone = [mine]
+    if parts.in_group:
+        # Each rank resumes with its own random streams, and mid-epoch with
+        # its own shard's losses so far.
+        everyone = gather(side_group(), mine)  # not all_gather_object: it needs numpy
+    payload = state_dict(parts, state, [rng for rng, _ in everyone])
+    payload["run"]["seq"] = seq
+    payload["stopped"] = bool(stopped)
+    if partial is not None:
+        payload["partial"] = {"batches": partial["batches"],
+                              "ranks": [{k: v for k, v in p.items() if k != "batches"} for _, p in everyone]}
+    for cb in parts.callbacks:
+        cb.on_save_checkpoint(parts.view, payload)
+    write_on_main(parts, payload, path, "checkpoint")
+
+
+def save_run_checkpoint(parts: Parts, config: TrainingConfig, state: TrainingState,
+                        partial: dict[str, Any] | None = None) -> Path:
+    """Write the next checkpoint of ``checkpoint_dir`` (mid-epoch with ``partial``) and drop old ones."""
+    state.run_seq += 1
+    if partial is None:
+        path = config.checkpoint_dir / run_checkpoint_name(state.epoch)
+        save(parts, state, path, stopped=state.stop_training, seq=state.run_seq)
+    else:
+        path = config.checkpoint_dir / run_checkpoint_name(state.epoch + 1, partial["batches"])
+        save(parts, state, path, partial, seq=state.run_seq)
+    if parts.is_main_process:
+        prune_run_checkpoints(config.checkpoint_dir, config.keep_last, run_id=state.run_id)
+    return path
+
+
+def on_main(parts: Parts, fn: Callable[[], Any], what: str,
+            peer_error: Callable[[RankFailedError], BaseException], broadcast: bool = False) -> Any:
+    """Run ``fn()`` on rank 0 alone; when it fails there, every rank raises (the others ``peer_error``)."""
+    if not parts.in_group:
+        return fn() if parts.is_main_process else None  # a handler told use_distributed=False decides alone
+    return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=peer_error)
+
+
+def write_on_main(parts: Parts, payload: Any, path, what: str) -> None:
+    # Every rank raises when the write fails, so none waits forever.
+    on_main(parts, functools.partial(atomic_save, payload, path), f"the write of the {what} {path}",
+            lambda err: CheckpointError(f"rank 0 could not write the {what} {path}; see rank 0's error"))
+    if parts.is_main_process:
+        log.info("saved %s %s", what, path)
+
+
+# ----------------------------------------------------------------------------- starting a run
+def start_run(parts: Parts, config: TrainingConfig, state: TrainingState) -> None:
+    """Before the first epoch: load what ``resume`` names, and claim ``checkpoint_dir`` for this run.
+
+    Rank 0 alone lists the directory and decides (ranks that listed it
+    themselves could see different files while rank 0 is still writing);
+    every rank then loads the file it chose, or raises its refusal.
+    """
+    loaded: dict[str, Any] = {}  # the payload rank 0 already read: only the plan travels
+    directory = config.checkpoint_dir
+
+    def plan_on_main() -> dict[str, Any]:
+        try:
+            loaded["payload"], plan = _plan_run(config, state)
+        except ConfigurationError as exc:  # a refusal, which every rank raises alike
+            return {"refused": str(exc)}
+        return plan
+
+    def unread(err: RankFailedError) -> CheckpointError:
+        failure = err.failures[0]
+        return CheckpointError(f"rank 0 could not read checkpoint_dir {directory}: "
+                               f"{failure.exc_type.rpartition('.')[2]}: {failure.message}")
+
+    plan = on_main(parts, plan_on_main, f"the resume plan for checkpoint_dir {directory}", unread, broadcast=True)
+    if "refused" in plan:
+        raise ConfigurationError(plan["refused"])
+    if plan["path"] is not None:
+        _resume_from(parts, state, Path(plan["path"]), loaded.get("payload"), plan["why"])
+    state.run_seq = max(state.run_seq, plan["seq"])
+    if parts.is_main_process and plan["delete"]:
+        for name in plan["delete"]:
+            try:
+                (directory / name).unlink()
+            except FileNotFoundError:
+                pass
+        log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s",
+                    directory, ", ".join(plan["delete"]))
+
+
+def _plan_run(config: TrainingConfig, state: TrainingState) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Rank 0's part of :func:`start_run`: ``(payload already loaded or None, plan for every rank)``.
+
+    Raises:
+        ConfigurationError: ``checkpoint_dir`` holds checkpoints of a run
+            other than the one this handler continues, and not ``overwrite``.
+    """
+    directory, resume = config.checkpoint_dir, config.resume
+    if resume == "auto":
+        # Nothing writes into the directory yet, so temporary files are
+        # leftovers of a write that a crash interrupted.
+        remove_stale_temp_files(directory)
+    found = scan_run_checkpoints(directory) if directory is not None else []
+    payload, path, why, run_id, damaged = None, None, "", state.run_id, set()
+    if resume == "auto":
+        # Newest by write number, not by epoch: a run resumed from an
+        # earlier checkpoint writes lower epochs after higher ones.
+        for entry in reversed(found):
+            try:
+                if entry.error is not None:
+                    raise CheckpointError(entry.error)
+                payload = checked_payload(load_payload(entry.path), entry.path)
+            except CheckpointError as exc:
+                log.warning("not resuming from %s: %s", entry.path, exc)
+                damaged.add(entry.path)
+                continue
+            path, run_id = entry.path, entry.run_id
+            why = f", the newest of the {len(found)} checkpoints in {directory} by write order"
+            break
+        else:
+            log.info("no checkpoint in %s yet: training starts from the beginning", directory)
+    elif resume is not None:
+        path = Path(resume)
+        if found:
+            try:
+                run_id = read_run_info(path)[0]
+            except CheckpointError:
+                run_id = None  # not loadable: the load reports why, on every rank
+    # Unreadable files belong to no run: neither refused nor deleted (the
+    # next write of that name replaces them).
+    others = [e.path.name for e in found
+              if e.error is None and e.path not in damaged and run_id is not None and e.run_id != run_id]
+    if others and not config.overwrite:
+        raise ConfigurationError(_refusal(config, others, path))
+    return payload, {"path": None if path is None else str(path), "why": why,
+                     "delete": others if config.overwrite else [],
+                     "seq": max((e.seq for e in found if e.seq is not None), default=0)}
+
+
+def _refusal(config: TrainingConfig, others: list[str], resumed: Path | None) -> str:
+    files = ", ".join(others[:6]) + (f", ... ({len(others) - 6} more)" if len(others) > 6 else "")
+    if resumed is None:
+        return (f"checkpoint_dir {config.checkpoint_dir} holds checkpoints of another run ({files}), and this "
+                f"run would write its own among them: pass resume='auto' to continue that run, overwrite=True "
+                f"to delete them and start a new run, or use another checkpoint_dir to keep both")
+    remedy = ("move them away or use another checkpoint_dir" if config.resume == "auto" else
+              "pass overwrite=True to delete them, or use another checkpoint_dir")
+    return (f"checkpoint_dir {config.checkpoint_dir} holds checkpoints of another run than the one resumed from "
+            f"{resumed} ({files}), and this run would write its own among them: {remedy}")
+
+
+def _resume_from(parts: Parts, state: TrainingState, path: Path, payload: dict[str, Any] | None,
+                 why: str = "") -> None:
+    """Load ``path`` on every rank (rank 0 may have loaded it already); every rank raises if one fails."""
+    error = None
+    try:
+        if payload is None:
+            payload = checked_payload(load_payload(path), path)
+        restore(parts, state, payload, path)
+    except BaseException as exc:  # reported to every rank below, so none trains on alone
+        error = exc
+    if not parts.in_group:
+        if error is not None:
+            raise error
+    else:
+        try:
+            agree_on_failure(side_group(), f"loading {path}", error, peer_error=lambda err: CheckpointError(
+                f"another rank could not load {path} (see its error); every rank reads the checkpoint "
+                f"itself, so it must be on a file system that all nodes share"))
+        finally:
+            error = None  # no frame <-> traceback cycle
+    state.finished_early = bool(payload.get("stopped", False))
+    if parts.is_main_process:
+        partial = state.resume_partial
+        log.info("resumed from %s%s: %d epochs complete%s", path, why, state.epoch,
+                 f", {partial['batches']} batches into epoch {state.epoch + 1}" if partial else "")
+
+
+# ----------------------------------------------------------------------------- loading
+def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, resume: bool = True) -> int:
+    """Load ``payload`` into the parts and the state; returns the epochs it had completed.
+
+    Everything that can refuse the file does so before anything changes: a
+    refused load leaves the handler as it was.
+    """
+    if resume:
+        _check_resumable(parts, payload, path)
+    load_weights(parts.module, payload["model"], source=str(path))
+    if not resume:
+        return int(payload["epoch"])
+    for name, part, target in (("optimizer", payload["optimizer"], parts.optimizer),
+                               ("scheduler", payload["scheduler"], parts.scheduler),
+                               ("scaler", payload["scaler"], parts.scaler)):
+        if part is not None and target is None:
+            log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
+        elif part is not None:
+            target.load_state_dict(part)
+    state.load_state_dict(payload)
+    state.run_id = run_info(payload)[0]  # continuing that run: its files in checkpoint_dir are ours
+    rngs = payload["rng"]
+    if len(rngs) != parts.world_size:
+        log.warning("%s was written by %d ranks, this run has %d; random streams will differ from an "
+                    "uninterrupted run", path, len(rngs), parts.world_size)
+    restore_rng_state(rngs[parts.rank % len(rngs)])
+    generator = sampler_generator(parts.train_loader)
+    if payload.get("sampler_generator") is not None and generator is not None:
+        generator.set_state(payload["sampler_generator"])
+    states = payload.get("callbacks", {})
+    for key, cb in _callback_keys(parts.callbacks):
+        if key in states:
+            cb.load_state_dict(states[key])
+        cb.on_load_checkpoint(parts.view, payload)
+    state.resume_partial = None
+    partial = payload.get("partial")
+    if partial is not None and len(partial["ranks"]) != parts.world_size:
+        log.warning("%s was written %d batches into epoch %d by %d ranks and this run has %d, so their shards "
+                    "differ: epoch %d starts over from its first batch, from the weights of the checkpoint",
+                    path, partial["batches"], state.epoch + 1, len(partial["ranks"]), parts.world_size,
+                    state.epoch + 1)
+    elif partial is not None:
+        state.resume_partial = {"batches": int(partial["batches"]), "rng": rngs[parts.rank],
+                                **partial["ranks"][parts.rank]}
+    return state.epoch
+
+
+def _check_resumable(parts: Parts, payload: dict[str, Any], path) -> None:
+    """Refuse optimizer or scheduler state that this handler's cannot take (torch would fail at the first step)."""
+    for what, target in (("optimizer", parts.optimizer), ("scheduler", parts.scheduler)):
+        saved, mine = payload.get(f"{what}_class"), class_name(target)
+        if payload[what] is not None and target is not None and saved is not None and saved != mine:
+            raise CheckpointMismatchError(
+                f"{path} holds the state of a {saved} {what}; this handler's is {mine}: build the handler with "
+                f"the same {what} class to resume, or load the weights alone with "
+                f"load_checkpoint(path, resume=False)"
+            )
+    if payload["optimizer"] is not None and parts.optimizer is not None:
+        saved_sizes = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
+        sizes = [len(g["params"]) for g in parts.optimizer.param_groups]
+        if saved_sizes != sizes:
+            raise CheckpointMismatchError(
+                f"{path} holds optimizer state for {len(saved_sizes)} parameter group(s) of {saved_sizes} "
+                f"parameters; this handler's optimizer has {len(sizes)} of {sizes}: build the optimizer as "
+                f"the run that wrote it did, or load the weights alone with load_checkpoint(path, resume=False)"
+            )
+
+
+def checked_payload(payload: Any, path) -> dict[str, Any]:
+    """``payload`` if it is a complete nn_handler checkpoint, else a CheckpointError naming ``path``."""
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = sorted(payload)[:6] if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(
+            f"{path} is not an nn_handler checkpoint (found {found}); for a file of weights alone use load_model()"
+        )
+    # What restore reads, checked here, so that a damaged or hand-made file
+    # is refused by name before anything is loaded (not a KeyError halfway).
+    kinds = {"model": Mapping, "optimizer": (Mapping, type(None)), "scheduler": (Mapping, type(None)),
+             "scaler": (Mapping, type(None)), "epoch": int, "global_step": int, "history": Mapping,
+             "rng": (list, tuple)}
+    problems = [f"no {key!r}" if key not in payload else f"{key!r} is a {type(payload[key]).__name__}"
+                for key, kind in kinds.items() if key not in payload or not isinstance(payload[key], kind)]
+    if not problems and not payload["rng"]:
+        problems.append("'rng' is empty")
+    optimizer = payload.get("optimizer")
+    if not problems and optimizer is not None and not (
+            isinstance(optimizer.get("state"), Mapping) and isinstance(optimizer.get("param_groups"), (list, tuple))
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                    for g in optimizer["param_groups"])):
+        problems.append("'optimizer' is not an optimizer state_dict")
+    if problems:
+        raise CheckpointError(f"{path} is not a complete nn_handler checkpoint ({', '.join(problems)}); "
+                              f"was it changed after NNHandler.save_checkpoint wrote it?")
+    return payload
+
+
+def class_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _callback_keys(callbacks: list):
+    """``(key, callback)`` pairs: the class name, ``Name#2`` for the second of a class, and so on."""
+    counts: dict[str, int] = {}
+    for cb in callbacks:
+        name = type(cb).__qualname__
+        counts[name] = counts.get(name, 0) + 1
+        yield (name if counts[name] == 1 else f"{name}#{counts[name]}"), cb
