@@ -197,6 +197,20 @@ def test_the_worker_child_imports_only_the_worker_its_transport_and_the_errors()
     assert loaded <= WORKER_CHILD, f"a worker child also loads {sorted(loaded - WORKER_CHILD)}"
 
 
+def test_only_the_worker_pool_starts_processes():
+    """One engine: the launcher, the test helper and the CLI start their ranks through utils/_workers."""
+    starts = []
+    for path in PACKAGE.rglob("*.py"):
+        if _within(_module_name(path), [WORKERS]):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+            name = getattr(func, "attr", None) or getattr(func, "id", None)
+            if name in {"Process", "Pipe", "Popen", "spawn", "start_processes"}:
+                starts.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}()")
+    assert not starts, f"processes started outside nn_handler/utils/_workers: {starts}"
+
+
 # ----------------------------------------------------------------------------- a real worker child
 @pytest.mark.timeout(120)
 def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
