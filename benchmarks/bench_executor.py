@@ -2,6 +2,8 @@
 
     python benchmarks/bench_executor.py            # all measurements
     python benchmarks/bench_executor.py --quick    # fewer repetitions
+    python benchmarks/bench_executor.py --cold     # only the cold start to a first result (before/after a change:
+                                                   # PYTHONPATH=<other checkout> python benchmarks/bench_executor.py --cold)
 
 Two CPU workers each. Prints one table: warm per-call latency of a broadcast
 call (one task per worker), map throughput over 4000 small tensors (chunks of
@@ -195,6 +197,28 @@ if __name__ == "__main__":
     mp.spawn(f, nprocs=2)
 """
 COLD_IMPORT = "import torch"
+# From just after `import torch` to the first result of a 2-worker executor: what nn_handler adds to a cold start
+# (importing it, the forkserver with its preload, the workers, one call), without torch's own import in the caller.
+COLD_FIRST_RESULT = """
+import time
+import torch
+t0 = time.perf_counter()
+from nn_handler import ParallelExecutor
+def f(device): return 0
+if __name__ == "__main__":
+    with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+        ex.run(f)
+        print(time.perf_counter() - t0)
+"""
+
+
+def cold_first_result(reps, tmpdir="/tmp"):
+    """Seconds from after ``import torch`` to the first result, measured inside each of ``reps`` fresh processes."""
+    path = os.path.join(tmpdir, "nnh_cold_first_result.py")
+    with open(path, "w") as f:
+        f.write(COLD_FIRST_RESULT)
+    return [float(subprocess.run([sys.executable, path], check=True, timeout=120, capture_output=True,
+                                 text=True).stdout.split()[-1]) for _ in range(reps)]
 
 
 def cold_start(code, reps, tmpdir="/tmp"):
@@ -212,7 +236,14 @@ def cold_start(code, reps, tmpdir="/tmp"):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="only the cold start to a first result")
     args = parser.parse_args()
+    if args.cold:
+        times = cold_first_result(3 if args.quick else 9)
+        print(f"cold start to the first result of a 2-worker executor, minus import torch (s): "
+              f"median {statistics.median(times):.3f}  min {min(times):.3f}  "
+              f"(runs: {' '.join(f'{t:.2f}' for t in times)})")
+        return
     n_lat, reps = (300, 3) if args.quick else (2000, 7)
     torch.set_num_threads(1)
 

@@ -378,7 +378,7 @@ def _group_probe(rank: int, with_ddp: bool, backend: str) -> dict[str, Any]:
     from .utils.ddp import resolve_device
 
     if not dist.is_initialized():
-        # initialize_ddp (called by run_distributed) forms no group for a world
+        # initialize_ddp (called by run_ranks) forms no group for a world
         # of one; a one-rank group still tests the backend, so form it here.
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=1)
     world = dist.get_world_size()
@@ -422,16 +422,17 @@ def _group_probe(rank: int, with_ddp: bool, backend: str) -> dict[str, Any]:
 def check_group(nprocs: int, backend: str, timeout: float, with_ddp: bool,
                 hide_gpus: bool = False) -> list[CheckResult]:
     """Form a ``backend`` group of ``nprocs`` local processes; all-reduce, and one DDP step if ``with_ddp``."""
-    from .testing import DistributedTimeoutError, run_distributed
+    from .errors import DistributedTimeoutError
+    from .utils._workers.launch import run_ranks
 
     names = [f"process group ({backend})", f"all-reduce ({backend})"] + ([f"DDP step ({backend})"] if with_ddp else [])
     start = time.perf_counter()
     try:
         # A rank stuck connecting to a store whose host rank already failed
         # retries until the group's timeout: keep that well inside ours.
-        rows = run_distributed(_group_probe, nprocs, args=(with_ddp, backend), timeout=timeout, backend=backend,
-                               pg_timeout=min(30.0, timeout / 2),
-                               env={"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else None)
+        rows = run_ranks(_group_probe, nprocs, args=(with_ddp, backend), timeout=timeout, backend=backend,
+                         pg_timeout=min(30.0, timeout / 2),
+                         env={"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else None)
     except DistributedTimeoutError as exc:
         # The ranks that did finish usually hold the cause (the others waited for them).
         rows = [exc if r in exc.unfinished else row for r, row in enumerate(exc.results)]

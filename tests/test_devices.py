@@ -24,7 +24,8 @@ from nn_handler.utils.parallel import (
     prepare_model,
     validate_data_parallel_setup,
 )
-from nn_handler.utils.ddp_decorators import parallel_on_all_devices
+from nn_handler.utils.ddp import resolve_device
+from nn_handler.utils.ddp_decorators import parallel_on_all_devices, parallelize_on_gpus
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nn_handler"
 LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
@@ -191,6 +192,14 @@ def _prepare_model_device(ids):
     prepare_model(nn.Linear(2, 2), MultiGPUConfig(mode="none"), device=ids[-1])
 
 
+def _parallelize_on_gpus(ids):
+    parallelize_on_gpus(device_ids=ids)(_double)  # refused at decoration, before any worker starts
+
+
+def _resolve_device(ids):
+    resolve_device(ids[-1])
+
+
 ENTRY_POINTS = {
     "ParallelExecutor": _executor,
     "prepare_model(config)": _prepare_model_config,
@@ -198,6 +207,8 @@ ENTRY_POINTS = {
     "parallel_on_all_devices": _data_parallel,
     "parallel_predict": _predict,
     "dispatch_model": _dispatch,
+    "parallelize_on_gpus": _parallelize_on_gpus,
+    "resolve_device": _resolve_device,
 }
 BAD_IDS = {
     5: "device 5 does not exist: this machine has 2 CUDA devices (valid ids 0..1)",

@@ -1,9 +1,12 @@
 """NNHandler.launch: a local DDP group on the ParallelExecutor's workers."""
 
+import sys
+
 import pytest
 import torch
 
-from nn_handler import NNHandler, ParallelExecutionError
+from helpers import run_command
+from nn_handler import ExecutorTimeoutError, NNHandler, ParallelExecutionError, ParallelExecutor, WorkerDiedError
 from scripts.handler_case import make_data, reference_train, weights
 
 
@@ -59,3 +62,72 @@ def test_launch_needs_nprocs_without_gpus():
         NNHandler.launch(print)
     with pytest.raises(ValueError, match=r"nprocs must be an int >= 1, got 0"):
         NNHandler.launch(print, nprocs=0)
+
+
+def test_launch_names_a_rank_that_died():
+    def body():
+        import os
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os._exit(3)
+        dist.barrier()  # rank 0 waits for the dead one: it is killed, not reported
+
+    with pytest.raises(WorkerDiedError) as info:
+        NNHandler.launch(body, nprocs=2, timeout=100)
+    assert [(f.rank, f.exitcode) for f in info.value.failures] == [(1, 3)]
+
+
+def test_launch_kills_a_hung_rank_at_the_deadline_and_names_it():
+    def body():
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            time.sleep(600)
+        return "done"
+
+    # The deadline covers starting the workers too: generous on a loaded 2-core machine.
+    with pytest.raises(ExecutorTimeoutError, match=r"rank 1 .*still running after the 20s timeout") as info:
+        NNHandler.launch(body, nprocs=2, timeout=20)
+    assert isinstance(info.value, TimeoutError) and [f.rank for f in info.value.failures] == [1]
+
+
+def test_launch_ranks_see_the_callers_environment(monkeypatch):
+    # Workers come from a forkserver started earlier, with the environment it had then.
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        ex.run(int)
+    monkeypatch.setenv("NNH_TEST_LAUNCH_VAR", "set after the forkserver started")
+
+    def read(name):  # reads the rank's os.environ (a bound os.environ.get would travel with the caller's copy)
+        import os
+
+        return os.environ.get(name)
+
+    assert NNHandler.launch(read, "NNH_TEST_LAUNCH_VAR", nprocs=2, timeout=100) == "set after the forkserver started"
+
+
+_SCRIPT = """
+print("top-level code ran", flush=True)
+from nn_handler import NNHandler
+from nn_handler.testing import run_distributed
+
+def body(*_):
+    import torch.distributed as dist
+    return dist.get_world_size()
+
+if __name__ == "__main__":
+    print("launch", NNHandler.launch(body, nprocs=2, timeout=100))
+    print("run_distributed", run_distributed(body, nprocs=2, timeout=100))
+"""
+
+
+def test_ranks_do_not_rerun_the_callers_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    result = run_command([sys.executable, str(script)], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("top-level code ran") == 1, result.stdout[-3000:]
+    assert "launch 2" in result.stdout and "run_distributed [2, 2]" in result.stdout, result.stdout[-3000:]

@@ -48,6 +48,18 @@ NOT_IN_A_WORKER = {
 }
 
 
+# The worker pool sits below the trainer and the model helpers: it never imports them, not even lazily.
+WORKERS = "nn_handler.utils._workers"
+NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.callbacks", "nn_handler.utils._models")
+# All of ours that a worker child may load: the worker loop, its transport, the errors, and the packages above.
+WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "nn_handler.errors",
+                "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport"}
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -62,8 +74,8 @@ def _is_type_checking(node: ast.AST) -> bool:
         or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_time_nodes(tree: ast.Module, type_checking: bool):
-    """Import statements that run when the module is imported (not those inside functions)."""
+def _import_time_nodes(tree: ast.Module, type_checking: bool, in_functions: bool = False):
+    """Import statements that run when the module is imported (not those inside functions, unless ``in_functions``)."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
@@ -71,21 +83,22 @@ def _import_time_nodes(tree: ast.Module, type_checking: bool):
             yield node
         elif _is_type_checking(node) and not type_checking:
             stack.extend(node.orelse)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        elif in_functions or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             stack.extend(ast.iter_child_nodes(node))
 
 
-def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
+def import_graph(type_checking: bool = True, in_functions: bool = False) -> dict[str, set[str]]:
     """``{module: the nn_handler modules it imports}`` for every module of the package.
 
     ``type_checking=False``: only what runs, without the ``if TYPE_CHECKING:`` imports.
+    ``in_functions=True``: the imports inside functions too (what the module may load later).
     """
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
         edges = graph.setdefault(name, set())
-        for node in _import_time_nodes(ast.parse(path.read_text(), str(path)), type_checking):
+        for node in _import_time_nodes(ast.parse(path.read_text(), str(path)), type_checking, in_functions):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -217,6 +230,37 @@ def test_the_package_face_and_the_worker_child_import_no_trainer_or_model_helper
     assert not loaded & NOT_IN_A_WORKER, f"importing {start} loads {sorted(loaded & NOT_IN_A_WORKER)}"
 
 
+def test_the_worker_pool_never_imports_the_trainer_callbacks_or_model_helpers():
+    graph = import_graph(in_functions=True)  # a lazy import inside a function counts too
+    direct = {module: sorted(t for t in targets if _within(t, NOT_FOR_WORKERS))
+              for module, targets in graph.items() if _within(module, [WORKERS])}
+    direct = {module: targets for module, targets in direct.items() if targets}
+    assert not direct, f"the worker pool imports what it must not (imports point one way): {direct}"
+    runs = import_graph(type_checking=False)
+    for module in (m for m in runs if _within(m, [WORKERS])):  # nor through the modules it imports
+        loaded = {m for m in _closure(runs, module) if _within(m, NOT_FOR_WORKERS)}
+        assert not loaded, f"importing {module} loads {sorted(loaded)}"
+
+
+def test_the_worker_child_imports_only_the_worker_its_transport_and_the_errors():
+    loaded = _closure(import_graph(type_checking=False), "nn_handler.utils._workers.worker")
+    assert loaded <= WORKER_CHILD, f"a worker child also loads {sorted(loaded - WORKER_CHILD)}"
+
+
+def test_only_the_worker_pool_starts_processes():
+    """One engine: the launcher, the test helper and the CLI start their ranks through utils/_workers."""
+    starts = []
+    for path in PACKAGE.rglob("*.py"):
+        if _within(_module_name(path), [WORKERS]):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+            name = getattr(func, "attr", None) or getattr(func, "id", None)
+            if name in {"Process", "Pipe", "Popen", "spawn", "start_processes"}:
+                starts.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}()")
+    assert not starts, f"processes started outside nn_handler/utils/_workers: {starts}"
+
+
 # ----------------------------------------------------------------------------- a real worker child
 @pytest.mark.timeout(120)
 def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
@@ -231,6 +275,7 @@ def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
         [loaded] = ex.run(loaded_modules)
     assert "nn_handler.utils._workers.worker" in loaded  # it really ran in a worker
     assert not set(loaded) & NOT_IN_A_WORKER, f"a worker child loaded {loaded}"
+    assert set(loaded) <= WORKER_CHILD, f"a worker child also loaded {sorted(set(loaded) - WORKER_CHILD)}"
 
 
 # ----------------------------------------------------------------------------- the public names stay

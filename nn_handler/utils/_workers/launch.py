@@ -1,65 +1,255 @@
-"""What :meth:`NNHandler.launch` runs inside the workers of a :class:`~nn_handler.ParallelExecutor`.
+"""The one local launcher: N ranks of one process group on this machine, each in a pool worker.
 
-The executor owns the processes (start, death detection, shutdown, fail-fast);
-this module only adds the rendezvous: each worker takes its pool position as
-its rank, exports the launcher variables ``initialize_ddp`` reads, and joins.
+:meth:`NNHandler.launch` (:func:`launch`: rank 0's result, the first failure
+raised at once) and :func:`nn_handler.testing.run_distributed`
+(:func:`run_ranks`: every rank's result or exception) both run here, and so
+does ``python -m nn_handler check``.
 
-Private: NNHandler.launch is the public face.
+Data flow::
+
+    caller                               thread r (one per rank)            worker r (a one-worker pool)
+    ------                               -----------------------            ----------------------------
+    pickle (fn, args, kwargs) once
+    start pool r, main module hidden
+    one thread per rank ───────────────> pool_r.run(_rank_body) ──────────> caller's env + RANK..., threads,
+                                                                            join the group, fn, leave the group
+    outcomes.get(until the deadline) <── put (rank, outcome), then stop
+      │                                  worker r: its peers see it leave
+      ├─ fail_fast and a failure: kill the other pools (their calls end at once)
+      └─ the deadline: kill the pools still running; those ranks are "unfinished"
+
+Why one pool per rank rather than one pool of N workers: a pool call fails as
+a whole (a worker's death ends the call on every worker, and a timeout drops
+what the finished workers returned), while ``run_distributed`` reports what
+every rank did, the ranks that finished before a hang included. With a pool
+each, a rank's death, error or deadline is its own, and this module alone
+decides when the others stop. The pools still own every process: start, death
+seen on the sentinel, the shared-memory transport, the kill.
+
+Private: NNHandler.launch and nn_handler.testing.run_distributed are the public faces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import queue
+import threading
+import time
 from typing import Any, Callable
 
-import torch
+import cloudpickle
 
-from ..._checks import check_int
+from ..._checks import check_int, check_number
+from ...errors import (
+    DistributedTimeoutError,
+    ExecutorTimeoutError,
+    ParallelExecutionError,
+    RankFailure,
+    RemoteFailure,
+    WorkerDiedError,
+)
 from .._devices import cuda_count
-from ..ddp import find_free_port
+from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _threads_per_worker
+from .worker import main_module_hidden
 
-__all__ = ["launch"]
-
-
-def _join_group(devices: list[str], port: int, device: torch.device) -> None:
-    from .worker import worker_index
-    from ..ddp import initialize_ddp
-
-    # The worker's position in the pool is its rank, and on GPUs also the
-    # position of the GPU the pool pinned it to, so LOCAL_RANK names that GPU.
-    rank, world_size = worker_index(), len(devices)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    initialize_ddp()
+__all__ = ["launch", "run_ranks"]
 
 
-def _run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device | None = None) -> Any:
-    import torch.distributed as dist
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every rank does before and around ``fn`` (travels to the workers)."""
 
-    result = fn(*args, **kwargs)
+    env: dict  # the caller's environment (+ the caller's extra variables) and the rendezvous
+    nprocs: int
+    threads: int
+    join: bool  # initialize_ddp before fn
+    backend: str | None
+    pg_timeout: float | None
+    pass_rank: bool  # fn(rank, *args) (run_distributed) rather than fn(*args, **kwargs)
+
+
+def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
+    """One rank, in its worker: the launch variables, the group, ``fn``, and leaving the group."""
+    import torch
+
+    # The worker comes from a forkserver and has the server's environment:
+    # give it the caller's, as a process spawned by the caller would have.
+    os.environ.clear()
+    os.environ.update(setup.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(setup.nprocs),
+                      LOCAL_WORLD_SIZE=str(setup.nprocs))
+    torch.set_num_threads(setup.threads)
+    fn, args, kwargs = cloudpickle.loads(payload)
+    if setup.join:
+        from ..ddp import initialize_ddp
+
+        initialize_ddp(timeout=setup.pg_timeout, backend=setup.backend)
+    result = fn(rank, *args, **kwargs) if setup.pass_rank else fn(*args, **kwargs)
     # Only on success: after a failure the group is left as it is, so the
-    # failed rank's own error reaches the caller first (fail-fast) rather
-    # than a peer's "connection closed"; the pool then kills every worker.
-    dist.destroy_process_group()
+    # failed rank's own error reaches the caller first rather than a peer's
+    # "connection closed"; its process ends right after (see _call_rank).
+    from ..ddp import cleanup_ddp
+
+    cleanup_ddp()
     return result
 
 
-def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
-    """Run ``fn(*args, **kwargs)`` on a fresh local process group of ``nprocs`` ranks; rank 0's result."""
-    from .executor import ParallelExecutor
+@dataclasses.dataclass
+class _Outcome:
+    value: Any = None
+    failure: RankFailure | None = None  # None: fn returned ``value``
+    exception: BaseException | None = None  # the rank's own exception, where it could be rebuilt here
 
+
+def _call_rank(executor: ParallelExecutor, rank: int, payload: bytes, setup: _Setup, name: str,
+               outcomes: queue.Queue) -> None:
+    outcome: _Outcome | None = None
+    try:
+        [value] = executor._run(_rank_body, (payload, rank, setup), {}, name=name)
+        outcome = _Outcome(value=value)
+    except ExecutorTimeoutError:
+        pass  # past the launcher's own deadline: the rank counts as unfinished
+    except ParallelExecutionError as exc:  # WorkerDiedError too
+        # A one-worker pool calls its worker 0: the record gets the rank back.
+        outcome = _Outcome(failure=dataclasses.replace(exc.failures[0], rank=rank), exception=exc.exceptions.get(0))
+    except BaseException as exc:  # noqa: BLE001 - the caller's thread decides what to raise
+        outcome = _Outcome(failure=RankFailure(rank, executor.devices[0], message=f"{type(exc).__name__}: {exc}"),
+                           exception=exc)
+    finally:
+        # Reported before the worker stops: a peer that then sees it leave
+        # and fails cannot overtake the root cause in the queue.
+        outcomes.put((rank, outcome))
+        # The process ends with its call, so its peers see it leave at once
+        # instead of waiting in a collective until the group's timeout.
+        executor.shutdown()
+
+
+def _kill(executor: ParallelExecutor) -> None:
+    # From this thread, while the rank's thread holds the pool in its call:
+    # wait=False kills the worker; that thread then sees it die and returns.
+    executor._pool.shutdown(wait=False)
+
+
+def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: list[str], timeout: float | None,
+               fail_fast: bool, join: bool, backend: str | None = None, pg_timeout: float | None = None,
+               env: dict | None = None, pass_rank: bool = False) -> list[_Outcome | None]:
+    """Run ``fn`` on one rank per device; one outcome per rank, ``None`` for a rank that did not finish.
+
+    ``fail_fast``: at the first failure, the other ranks are killed (and left ``None``).
+    """
+    from ..ddp import find_free_port
+
+    try:
+        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    except Exception:
+        _pickle_call(fn, False)  # names the function or the argument that cannot travel
+        _check_picklable(tuple(args), dict(kwargs), fn)
+        raise
+    nprocs = len(devices)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    setup = _Setup(env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
+                        **(env or {})},
+                   nprocs=nprocs, threads=_threads_per_worker(nprocs), join=join, backend=backend,
+                   pg_timeout=pg_timeout, pass_rank=pass_rank)
+    name = _name(fn)
+    executors = [ParallelExecutor(device_ids=[d], pass_device=False, timeout=timeout) for d in devices]
+    outcomes: list[_Outcome | None] = [None] * nprocs
+    threads: list[threading.Thread] = []
+    try:
+        with main_module_hidden():  # fn travels by value: the ranks need not re-run the caller's script
+            for executor in executors:
+                executor.start()
+        replies: queue.Queue = queue.Queue()
+        for rank, executor in enumerate(executors):
+            thread = threading.Thread(target=_call_rank, args=(executor, rank, payload, setup, name, replies),
+                                      name=f"nn_handler-rank{rank}", daemon=True)
+            thread.start()
+            threads.append(thread)
+        for _ in range(nprocs):
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                rank, outcome = replies.get(timeout=None if left is None else max(0.0, left))
+            except queue.Empty:
+                break  # the deadline: the ranks still running are killed below
+            outcomes[rank] = outcome
+            if fail_fast and outcome is not None and outcome.failure is not None:
+                break
+    finally:
+        # Whatever ended the wait (done, a failure, the deadline, Ctrl-C): no rank outlives the call.
+        for executor in executors:
+            _kill(executor)
+        for thread in threads:
+            thread.join(30)
+    return outcomes
+
+
+def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
+    """Run ``fn(*args, **kwargs)`` on a fresh local process group of ``nprocs`` ranks; rank 0's result.
+
+    What :meth:`NNHandler.launch` runs: one rank per GPU (NCCL) by default,
+    ``nprocs`` CPU ranks (gloo) without GPUs. The first rank to fail ends the
+    call: its error is raised and the other ranks are killed.
+
+    Raises:
+        ParallelExecutionError: ``fn`` raised on a rank (the first one, named).
+        WorkerDiedError: A rank's process died.
+        ExecutorTimeoutError: The call ran past ``timeout`` (a ``TimeoutError``).
+        ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
+    """
     gpus = cuda_count()
     if nprocs is None:
         if gpus == 0:
             raise ValueError("NNHandler.launch(fn, nprocs=N): without GPUs, say how many CPU processes to start")
         nprocs = gpus
     check_int("nprocs", nprocs, minimum=1)
+    timeout = check_number("timeout", timeout, unit="seconds", allow_none=True)
     if gpus and nprocs > gpus:
         raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPUs; one process per GPU")
     devices = [f"cuda:{i}" for i in range(nprocs)] if gpus else ["cpu"] * nprocs
-    executor = ParallelExecutor(device_ids=devices, timeout=timeout, initializer=_join_group,
-                                initargs=(devices, find_free_port()))
-    with executor:
-        # Errors name the user's function, not the wrapper that runs it.
-        name = getattr(fn, "__qualname__", None) or repr(fn)
-        return executor._run(_run_rank, (fn, args, kwargs), {}, fail_fast=True, name=name)[0]
+    outcomes = _run_group(fn, args, kwargs, devices=devices, timeout=timeout, fail_fast=True, join=True)
+    name = _name(fn)  # errors name the user's function, not the wrapper that runs it
+    failed = {rank: o for rank, o in enumerate(outcomes) if o is not None and o.failure is not None}
+    if failed:
+        failures = [o.failure for o in failed.values()]
+        exceptions = {rank: o.exception for rank, o in failed.items() if o.exception is not None}
+        cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
+        raise cls(failures, exceptions, function=name)
+    unfinished = [rank for rank, o in enumerate(outcomes) if o is None]
+    if unfinished:
+        raise ExecutorTimeoutError([RankFailure(rank, devices[rank], message=f"still running after the {timeout:g}s "
+                                                                             f"timeout; killed")
+                                    for rank in unfinished], function=name)
+    return outcomes[0].value
+
+
+def _as_result(rank: int, outcome: _Outcome) -> Any:
+    """What ``run_distributed`` returns for a rank: the value, or the exception with its remote traceback."""
+    failure = outcome.failure
+    if failure is None:
+        return outcome.value
+    if failure.died:
+        return RemoteFailure(f"rank {rank} died without a result (exitcode {failure.exitcode})")
+    exc = outcome.exception or RemoteFailure(f"{failure.exc_type}: {failure.message}")
+    exc.remote_traceback = failure.traceback
+    return exc
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int = 2, *, args: tuple = (), timeout: float = 60.0, init: bool = True,
+              backend: str = "gloo", env: dict | None = None, pg_timeout: float | None = None) -> list:
+    """:func:`nn_handler.testing.run_distributed` (its docstring is the documentation): every rank's result."""
+    check_int("nprocs", nprocs, minimum=1)
+    check_number("timeout", timeout, unit="seconds")
+    outcomes = _run_group(fn, args, {}, devices=["cpu"] * nprocs, timeout=timeout, fail_fast=False, join=init,
+                          backend=backend, pg_timeout=pg_timeout or timeout / 2, env=dict(env or {}),
+                          pass_rank=True)
+    results = [None if o is None else _as_result(rank, o) for rank, o in enumerate(outcomes)]
+    unfinished = [rank for rank, o in enumerate(outcomes) if o is None]
+    if unfinished:
+        done = {rank: results[rank] for rank in range(nprocs) if rank not in unfinished}
+        raise DistributedTimeoutError(
+            f"ranks {unfinished} did not finish within {timeout:.0f}s and were killed "
+            f"(finished ranks returned: {done})",
+            unfinished,
+            results,
+        )
+    return results
