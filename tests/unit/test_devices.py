@@ -27,7 +27,7 @@ from nn_handler.utils.parallel import (
 from nn_handler.utils.ddp import resolve_device
 from nn_handler.utils.ddp_decorators import parallel_on_all_devices, parallelize_on_gpus
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nn_handler"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "nn_handler"
 LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
           "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 UNKNOWN = "use a GPU index, 'cpu', 'cuda', 'cuda:N', 'gpu' or a torch.device"

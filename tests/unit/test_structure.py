@@ -267,8 +267,6 @@ def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
     from nn_handler import ParallelExecutor
 
     def loaded_modules():  # defined here so that it travels by value and imports nothing of ours
-        import sys
-
         return sorted(m for m in sys.modules if m == "nn_handler" or m.startswith("nn_handler."))
 
     with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=90) as ex:
