@@ -3,7 +3,10 @@
 Messages from the pool are ``(call_id, kind, fn_blob, payload_blob)``:
 ``kind`` is ``"run"`` (payload ``(args, kwargs)``) or ``"map"`` (payload: a
 chunk of items); ``fn_blob`` is ``None`` when the function is the one already
-cached for this ``call_id`` (a ``map`` sends it once per worker). Replies are
+loaded for this ``call_id`` (a ``map`` sends it once per worker), else a
+:meth:`~.transport.PackedFunction.message`: its digest, its body unless this
+worker holds it from an earlier call, and this call's files for its large
+tensors (see :class:`~.transport.FunctionCache`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``got`` (the task arrived,
 sent before any of it runs), ``ok``, ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``) or ``ready``.
@@ -166,6 +169,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         conn.send_bytes(pickle.dumps(("err", None, (record, blob))))
         return
 
+    functions = _transport.FunctionCache()  # bodies of functions sent before; the pool keeps a twin
     cached_call, cached_fn = None, None
     while True:
         try:
@@ -181,7 +185,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         conn.send_bytes(pickle.dumps(("got", call_id, None)))
         try:
             if fn_blob is not None:
-                cached_call, cached_fn = call_id, _transport.loads(fn_blob)
+                cached_call, cached_fn = call_id, _transport.load_function(fn_blob, functions)
             elif cached_call != call_id:
                 raise RuntimeError("internal error: no function was sent for this call")
             payload = _transport.loads(payload_blob)
