@@ -6,6 +6,13 @@ defined in ``__main__`` or a notebook included). A CPU tensor of at least
 its name travels; the receiver maps that file (torch owns the mapping, so it is
 released with the tensor) and unlinks the name at once.
 
+Functions travel the same way (:meth:`Encoder.pack_function`), except that
+their large tensors are referenced by index rather than embedded: the rest,
+the function's body, is the same bytes for the same function in the same
+state, so a worker that holds it (:class:`FunctionCache`) gets only its
+digest, and every call still carries the tensors' current values in its own
+files.
+
 ``NN_HANDLER_SHM_DIR`` (read at first use) puts these files in another
 directory. A tensor that does not fit there (Docker gives containers 64 MiB of
 ``/dev/shm``) goes to a file under the temp dir instead, with one warning per
