@@ -11,6 +11,7 @@ import functools
 import glob
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from helpers import pids_alive
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError
 from nn_handler.utils._workers import pipes
+from nn_handler.utils._workers.executor import _pickle_call
 from nn_handler.utils._workers import transport as _transport
 
 CPU2 = ["cpu", "cpu"]
@@ -307,3 +309,15 @@ def test_the_twin_caches_agree_and_stay_bounded():
 def test_a_digest_the_worker_does_not_hold_is_a_clear_internal_error():
     with pytest.raises(RuntimeError, match="does not hold it"):
         _transport.load_function((b"0" * 16, None, ()), _transport.FunctionCache())
+
+
+def test_a_function_that_cannot_be_pickled_leaves_no_file():
+    encoder = _transport.Encoder(_transport.shm_prefix(f"{os.getpid()}-unit"), private=True)
+    big, lock = torch.zeros(BIG), threading.Lock()
+
+    def f(device):
+        return big, lock  # the tensor is written before the lock fails
+
+    with pytest.raises(TypeError, match="function .*f cannot be pickled to send to the workers"):
+        _pickle_call(f, True, encoder)
+    assert _files() == []
