@@ -155,43 +155,44 @@ class _FunctionPickler(_Pickler):
 
     The bytes are then the same for the same function in the same state,
     whatever the values in its large tensors, so they can name it in a
-    worker's cache, while this call's files carry the values.
+    worker's cache, while this call's files carry the values. (Through
+    reducer_override, not persistent_id: pickle calls that for every object,
+    ints and strings included, and it doubled the cost of a small lambda.)
     """
 
     def __init__(self, file, prefix: str | None, counter, *, spill: bool = False):
         super().__init__(file, prefix, counter, to_cpu=False, private=True, spill=spill)
         self.bindings: list[tuple] = []  # per index: how the worker maps this call's file (see _rebuild_shared)
-        self._indices: dict[int, int] = {}  # id(tensor) -> index: a tensor met twice is one file, one tensor
-        self._seen: list = []  # keeps those tensors alive, so that no id is reused while pickling
 
-    def persistent_id(self, obj):
-        # Called for every object before the memo and reducer_override: only
-        # large plain tensors are taken out; everything else pickles as usual.
-        if type(obj) is not torch.Tensor or self._prefix is None:
-            return None
-        index = self._indices.get(id(obj))
-        if index is None:
-            t = self._sendable(obj)
-            if t is None or t.nbytes < SHM_THRESHOLD:
-                return None  # in the bytes (a change to it changes the function's digest)
-            index = self._indices[id(obj)] = len(self.bindings)
-            self._seen.append(obj)
-            self.bindings.append((self._write(t), t.nbytes, t.dtype, tuple(t.shape), t.requires_grad))
-        return index
+    def _reduce_tensor(self, t: torch.Tensor):
+        reduced = super()._reduce_tensor(t)
+        if reduced is None or reduced[0] is not _rebuild_shared:
+            return reduced  # small: in the bytes (a change to it changes the function's digest)
+        self.bindings.append(reduced[1][:-1])  # (path, nbytes, dtype, shape, requires_grad)
+        # Met twice, a tensor is reduced once (pickle's memo): one file, one tensor in the worker.
+        return _bound_tensor, (len(self.bindings) - 1,)
+
+
+def _bound_tensor(index: int):
+    """Stands for a function's large tensor in its bytes; :class:`_FunctionUnpickler` puts this call's file there."""
+    raise RuntimeError("internal error: a function's bytes were loaded without the files of its large tensors; "
+                       "load them with load_function")
 
 
 class _FunctionUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, bindings):
         super().__init__(io.BytesIO(data))
         self._bindings = bindings
-        self._loaded: dict[int, torch.Tensor] = {}
 
-    def persistent_load(self, index):
-        if index not in self._loaded:
-            # Copy-on-write: the function may write to its tensors in place;
-            # that stays in this call (the caller removes the file).
-            self._loaded[index] = _rebuild_shared(*self._bindings[index], private=True)
-        return self._loaded[index]
+    def find_class(self, module, name):
+        if name == "_bound_tensor" and module == __name__:
+            return self._bound_tensor
+        return super().find_class(module, name)
+
+    def _bound_tensor(self, index: int) -> torch.Tensor:
+        # Copy-on-write: the function may write to its tensors in place; that
+        # stays in this call (the caller removes the file afterwards).
+        return _rebuild_shared(*self._bindings[index], private=True)
 
 
 class Encoder:
@@ -283,7 +284,7 @@ FUNCTION_CACHE_SIZE = 32
 FUNCTION_CACHE_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PackedFunction:
     """A function pickled for one call: ``body`` and its ``digest`` name the function, ``files`` hold its large tensors.
 
@@ -380,6 +381,8 @@ def load_function(message: tuple, cache: FunctionCache):
         # Kept before it is loaded: the caller counts it as held from now on,
         # even if loading it fails here (then it fails again next time, alike).
         cache.put(digest, len(body), body)
+    if not bindings:
+        return pickle.loads(body)  # no large tensor: the faster C path
     return _FunctionUnpickler(body, bindings).load()
 
 
