@@ -114,6 +114,26 @@ def test_each_call_sees_the_tensors_as_they_are_when_it_is_made(ex):
     assert _files() == []
 
 
+def _mapped_files(caller: int, device=None) -> int:
+    """In a worker: how many of the caller's files it still maps (unlinked ones too: they hold shared memory)."""
+    with open("/proc/self/maps") as f:
+        return len({line.split()[-1] for line in f if f"nnh-{caller}-" in line})
+
+
+def test_a_calls_files_leave_the_workers_memory_even_when_its_function_is_in_a_reference_cycle(ex):
+    caller, big = os.getpid(), torch.ones(BIG)
+
+    def ping(device):  # ping and pong refer to each other: a reference cycle holds `big` in the worker
+        return pong(device)
+
+    def pong(device):
+        assert ping is not None and float(big[0]) == 1.0
+        return _mapped_files(caller)
+
+    assert [ex.run(ping) for _ in range(5)] == [[1, 1]] * 5  # its own call's file only, never the earlier ones
+    assert ex.run(_mapped_files, caller) == [0, 0]  # the next function's call lets it go
+
+
 # ----------------------------------------------------------------------------- a function is sent once per worker
 def test_a_function_sent_once_is_not_sent_again(ex, sent):
     state = bytes(STATE)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
+import gc
 import glob
 import hashlib
 import io
@@ -38,6 +40,7 @@ import pickle
 import tempfile
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -180,19 +183,26 @@ def _bound_tensor(index: int):
 
 
 class _FunctionUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, bindings):
+    def __init__(self, data: bytes, bindings, mapped: list):
         super().__init__(io.BytesIO(data))
         self._bindings = bindings
+        self._mapped = mapped
 
     def find_class(self, module, name):
         if name == "_bound_tensor" and module == __name__:
-            return self._bound_tensor
+            # Not a bound method: pickle's memo keeps what this returns, and
+            # a cycle through the unpickler would keep this call's mappings
+            # (the files' memory) alive until the garbage collector runs.
+            return functools.partial(_map_bound, self._bindings, self._mapped)
         return super().find_class(module, name)
 
-    def _bound_tensor(self, index: int) -> torch.Tensor:
-        # Copy-on-write: the function may write to its tensors in place; that
-        # stays in this call (the caller removes the file afterwards).
-        return _rebuild_shared(*self._bindings[index], private=True)
+
+def _map_bound(bindings, mapped: list, index: int) -> torch.Tensor:
+    # Copy-on-write: the function may write to its tensors in place; that
+    # stays in this call (the caller removes the file afterwards).
+    tensor = _rebuild_shared(*bindings[index], private=True)
+    mapped.append(weakref.ref(tensor))
+    return tensor
 
 
 class Encoder:
@@ -365,11 +375,12 @@ class FunctionCache:
         return list(self._entries)
 
 
-def load_function(message: tuple, cache: FunctionCache):
+def load_function(message: tuple, cache: FunctionCache, mapped: list | None = None):
     """In a worker: the function of ``message`` (from :meth:`PackedFunction.message`), its body kept in ``cache``.
 
     Every call builds a fresh copy from the body and this call's files, as if
-    the function had been sent whole.
+    the function had been sent whole. ``mapped`` receives a weak reference to
+    each tensor mapped from those files (see :func:`release_mapped`).
     """
     digest, body, bindings = message
     if body is None:
@@ -383,7 +394,21 @@ def load_function(message: tuple, cache: FunctionCache):
         cache.put(digest, len(body), body)
     if not bindings:
         return pickle.loads(body)  # no large tensor: the faster C path
-    return _FunctionUnpickler(body, bindings).load()
+    return _FunctionUnpickler(body, bindings, [] if mapped is None else mapped).load()
+
+
+def release_mapped(mapped: list) -> None:
+    """Once a function is dropped: make sure the tensors it mapped (``mapped``, from :func:`load_function`) go now.
+
+    Functions of ``__main__`` or a notebook that refer to one another share
+    their globals, a reference cycle: what they hold goes only when the
+    garbage collector next runs, and the memory of a file mapped in a worker
+    counts against ``/dev/shm`` until then. A tensor the function stored on
+    purpose (in ``worker_state()``) stays.
+    """
+    if any(ref() is not None for ref in mapped):
+        gc.collect()
+    mapped.clear()
 
 
 def remove_files(paths) -> None:
