@@ -74,6 +74,9 @@ _KILLED_CALLER = textwrap.dedent("""
             print('PIDS', *ex.run(lambda device: os.getpid()), flush=True)
             if sys.argv[1] == 'arg':
                 ex.run(hold, torch.ones(8 << 20))  # 32 MiB argument, kept in a file while the call runs
+            elif sys.argv[1] == 'closure':
+                weights = torch.ones(8 << 20)  # 32 MiB in the function's closure: a file too
+                ex.run(lambda device: hold(weights, device))
             else:
                 ex.run(big_result, os.getpid())
                 time.sleep(300)
@@ -89,7 +92,10 @@ BIG = 32 << 20
     ("result", signal.SIGKILL, False),
     ("result", signal.SIGTERM, False),
     ("arg", signal.SIGKILL, True),  # the argument went to the fallback directory
-], ids=["arg-sigkill", "arg-sigterm", "result-sigkill", "result-sigterm", "spilled-arg-sigkill"])
+    ("closure", signal.SIGKILL, False),
+    ("closure", signal.SIGKILL, True),
+], ids=["arg-sigkill", "arg-sigterm", "result-sigkill", "result-sigterm", "spilled-arg-sigkill", "closure-sigkill",
+        "spilled-closure-sigkill"])
 def test_killed_caller_leaves_no_files(tmp_path, request, what, sig, small_shm):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     dirs = ["/dev/shm"]
@@ -109,7 +115,7 @@ def test_killed_caller_leaves_no_files(tmp_path, request, what, sig, small_shm):
         def written():  # every file this call makes exists with its full size
             files = _files(proc.pid, *dirs)
             full = [f for f in files if os.path.exists(f) and os.stat(f).st_size == BIG]
-            return files if len(full) == (1 if what == "arg" else 2) else None
+            return files if len(full) == (2 if what == "result" else 1) else None
 
         before = _wait_for(written, 60, f"the {what} files of the caller")
         if small_shm:
@@ -163,6 +169,7 @@ _SMALL_SHM_CALLER = textwrap.dedent("""
             for x in (big, mid, big):
                 assert all(torch.equal(r, x * 2) for r in ex.run(double, x))
             assert all(torch.equal(r, x * 2) for r, x in zip(ex.map(double, [big, mid, big + 1]), [big, mid, big + 1]))
+            assert ex.run(lambda device: float(big[-1])) == [float(big[-1])] * 2  # a closure spills alike
         print('DONE', os.getpid())
 """)
 

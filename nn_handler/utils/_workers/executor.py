@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
 import warnings
@@ -14,6 +15,7 @@ from ..._checks import check_int, check_number
 from ...errors import DeviceError
 from .._devices import cuda_count, parse_device_ids
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+from .transport import Encoder, PackedFunction
 from .worker import worker_state
 
 __all__ = ["ParallelExecutor", "ExecutorTimeoutError", "worker_state"]
@@ -84,13 +86,22 @@ def _device_position(func, pass_device: bool) -> int | None:
     return None
 
 
-def _pickle_call(func, pass_device: bool) -> bytes:
-    """Pickle the function (with where its device argument goes), or say why it cannot be."""
+def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> PackedFunction:
+    """Pickle the function (with where its device argument goes), or say why it cannot be.
+
+    Large tensors it holds (closure, defaults) go to shared-memory files of
+    ``encoder`` as arguments do; the caller releases them after the call.
+    Without an encoder they stay in the bytes (for checks: nothing to release).
+    """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
     position = _device_position(func, pass_device)
     try:
-        return cloudpickle.dumps((func, position))
+        return (encoder or Encoder(None, private=True)).pack_function((func, position))
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise  # no room in shared memory nor in the temp dir: not a pickling problem
+        raise TypeError(f"function {_name(func)} cannot be pickled to send to the workers: {exc}") from exc
     except Exception as exc:
         raise TypeError(f"function {_name(func)} cannot be pickled to send to the workers: {exc}") from exc
 
@@ -214,12 +225,14 @@ class ParallelExecutor:
 
     def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False, name: str | None = None) -> list:
         self._pool.check_owner()
-        fn_blob = _pickle_call(func, self.pass_device)
+        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions)
         try:
             return self._pool.run(fn_blob, args, kwargs, self.timeout, name or _name(func), fail_fast)
         except PayloadPicklingError:
             _check_picklable(args, kwargs, func)
             raise
+        finally:
+            fn_blob.release()
 
     def map(self, func: Callable[..., R], iterable: Iterable[Any], *, chunksize: int = 1) -> list[R]:
         """Call ``func(item)`` for every item, spread over the workers as they become free.
@@ -235,9 +248,9 @@ class ParallelExecutor:
         """
         check_int("chunksize", chunksize, minimum=1)
         self._pool.check_owner()
-        fn_blob = _pickle_call(func, self.pass_device)
         items = list(iterable)
         chunks = [items[i:i + chunksize] for i in range(0, len(items), chunksize)]
+        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions)
         try:
             return self._pool.map(fn_blob, chunks, self.timeout, _name(func))
         except PayloadPicklingError:
@@ -249,3 +262,5 @@ class ParallelExecutor:
                         f"item {i} ({type(item).__name__}) cannot be pickled to send to the workers: {exc}"
                     ) from exc
             raise
+        finally:
+            fn_blob.release()

@@ -33,7 +33,7 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
@@ -77,6 +77,8 @@ class _Slot:
     conn: object = None
     incarnation: int = 0
     has_fn_for: int | None = None  # call id whose function this worker already holds
+    # The twin of the worker's cache of function bodies: what need not be sent again.
+    functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
 
     @property
     def alive(self) -> bool:
@@ -106,6 +108,8 @@ class WorkerPool:
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
         self._call_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
+        # functions: their large tensors, shared by every worker of a call like arguments
+        self.functions = _transport.Encoder(_transport.shm_prefix(f"{self._token}-f"), private=True)
         # map items go to one worker each: it unlinks their files as it loads them
         self._items = _transport.Encoder(_transport.shm_prefix(f"{self._token}-m"))
         self._lock = threading.RLock()  # one call at a time; shutdown waits for it
@@ -169,6 +173,7 @@ class WorkerPool:
             child_conn.close()  # only the child holds its end: EOF once it dies
             slot.process, slot.conn = process, parent_conn
             slot.has_fn_for = None
+            slot.functions = _transport.FunctionCache()  # a new process holds no function yet
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
@@ -487,10 +492,10 @@ class WorkerPool:
         """Send one message to ``slot``; True when the worker read none of it (see :func:`pipes.send`)."""
         return pipes.send(slot.conn, slot.process, data, deadline)
 
-    def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes,
+    def _send(self, slot: _Slot, call_id: int, kind: str, fn: _transport.PackedFunction, payload: bytes,
               deadline: float | None) -> bool:
         """Send one task; True when the worker has read none of it yet (it may still be dying)."""
-        fn_part = None if slot.has_fn_for == call_id else fn_blob
+        fn_part = None if slot.has_fn_for == call_id else fn.message(slot.functions)
         slot.has_fn_for = call_id
         return self._write(slot, pickle.dumps((call_id, kind, fn_part, payload)), deadline)
 

@@ -6,6 +6,13 @@ defined in ``__main__`` or a notebook included). A CPU tensor of at least
 its name travels; the receiver maps that file (torch owns the mapping, so it is
 released with the tensor) and unlinks the name at once.
 
+Functions travel the same way (:meth:`Encoder.pack_function`), except that
+their large tensors are referenced by index rather than embedded: the rest,
+the function's body, is the same bytes for the same function in the same
+state, so a worker that holds it (:class:`FunctionCache`) gets only its
+digest, and every call still carries the tensors' current values in its own
+files.
+
 ``NN_HANDLER_SHM_DIR`` (read at first use) puts these files in another
 directory. A tensor that does not fit there (Docker gives containers 64 MiB of
 ``/dev/shm``) goes to a file under the temp dir instead, with one warning per
@@ -22,7 +29,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
+import gc
 import glob
+import hashlib
 import io
 import itertools
 import os
@@ -30,6 +40,9 @@ import pickle
 import tempfile
 import threading
 import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import cloudpickle
 import torch
@@ -100,7 +113,8 @@ class _Pickler(cloudpickle.Pickler):
                 return reduced
         return super().reducer_override(obj)
 
-    def _reduce_tensor(self, t: torch.Tensor):
+    def _sendable(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` as this pickler sends it (detached and on the CPU for results), or ``None``: torch pickles it."""
         if self._to_cpu and (t.requires_grad or t.device.type != "cpu"):
             t = t.detach().cpu()
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
@@ -108,12 +122,22 @@ class _Pickler(cloudpickle.Pickler):
         if t.requires_grad and not t.is_leaf:
             return None  # let pickle raise its usual error for non-leaf tensors
         if type(t) is torch.nn.Parameter:
-            return None  # keep the Parameter type (rare in payloads; torch pickles it)
+            return None  # keep the Parameter type (rare in payloads; torch pickles it, its .data comes back here)
+        return t
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        t = self._sendable(t)
+        if t is None:
+            return None
         if self._prefix is None or t.nbytes < SHM_THRESHOLD:
             return _reduce_small(t)
         if self._probe:
             self.needs_files = True
             return int, ()  # a stand-in: probing checks that the rest pickles, and copies nothing
+        return _rebuild_shared, (self._write(t), t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
+
+    def _write(self, t: torch.Tensor) -> str:
+        """Copy ``t`` into a new file; its path."""
         path, fd = _create(self._prefix, next(self._counter), t.nbytes, spill=self._spill)
         self.created.append(path)
         try:
@@ -126,7 +150,59 @@ class _Pickler(cloudpickle.Pickler):
                 written += os.write(fd, view[written:])
         finally:
             os.close(fd)
-        return _rebuild_shared, (path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
+        return path
+
+
+class _FunctionPickler(_Pickler):
+    """Pickles a function with its large tensors left out of the bytes: each goes to a file, named by its index.
+
+    The bytes are then the same for the same function in the same state,
+    whatever the values in its large tensors, so they can name it in a
+    worker's cache, while this call's files carry the values. (Through
+    reducer_override, not persistent_id: pickle calls that for every object,
+    ints and strings included, and it doubled the cost of a small lambda.)
+    """
+
+    def __init__(self, file, prefix: str | None, counter, *, spill: bool = False):
+        super().__init__(file, prefix, counter, to_cpu=False, private=True, spill=spill)
+        self.bindings: list[tuple] = []  # per index: how the worker maps this call's file (see _rebuild_shared)
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        reduced = super()._reduce_tensor(t)
+        if reduced is None or reduced[0] is not _rebuild_shared:
+            return reduced  # small: in the bytes (a change to it changes the function's digest)
+        self.bindings.append(reduced[1][:-1])  # (path, nbytes, dtype, shape, requires_grad)
+        # Met twice, a tensor is reduced once (pickle's memo): one file, one tensor in the worker.
+        return _bound_tensor, (len(self.bindings) - 1,)
+
+
+def _bound_tensor(index: int):
+    """Stands for a function's large tensor in its bytes; :class:`_FunctionUnpickler` puts this call's file there."""
+    raise RuntimeError("internal error: a function's bytes were loaded without the files of its large tensors; "
+                       "load them with load_function")
+
+
+class _FunctionUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, bindings, mapped: list):
+        super().__init__(io.BytesIO(data))
+        self._bindings = bindings
+        self._mapped = mapped
+
+    def find_class(self, module, name):
+        if name == "_bound_tensor" and module == __name__:
+            # Not a bound method: pickle's memo keeps what this returns, and
+            # a cycle through the unpickler would keep this call's mappings
+            # (the files' memory) alive until the garbage collector runs.
+            return functools.partial(_map_bound, self._bindings, self._mapped)
+        return super().find_class(module, name)
+
+
+def _map_bound(bindings, mapped: list, index: int) -> torch.Tensor:
+    # Copy-on-write: the function may write to its tensors in place; that
+    # stays in this call (the caller removes the file afterwards).
+    tensor = _rebuild_shared(*bindings[index], private=True)
+    mapped.append(weakref.ref(tensor))
+    return tensor
 
 
 class Encoder:
@@ -150,8 +226,21 @@ class Encoder:
 
     def dumps(self, obj) -> tuple[bytes, list[str]]:
         """Return the bytes and the shared-memory files created for them."""
+        data, pickler = self._with_room(lambda spill: self._dump(obj, spill))
+        return data, pickler.created
+
+    def pack_function(self, fn) -> "PackedFunction":
+        """Pickle a function to send, its large tensors (closure, defaults) in files like arguments.
+
+        Raises what :meth:`dumps` raises.
+        """
+        body, pickler = self._with_room(lambda spill: self._dump(fn, spill, function=True))
+        return PackedFunction(hashlib.blake2b(body, digest_size=16).digest(), body, tuple(pickler.bindings),
+                              tuple(pickler.created))
+
+    def _with_room(self, dump):
         try:
-            return self._dump(obj)
+            return dump(False)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -159,7 +248,7 @@ class Encoder:
         # every file of this message goes to the temp dir instead.
         _warn_spill(os.path.dirname(self.prefix))
         try:
-            return self._dump(obj, spill=True)
+            return dump(True)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -178,20 +267,148 @@ class Encoder:
         pickler.dump(obj)
         return None if pickler.needs_files else buf.getvalue()
 
-    def _dump(self, obj, spill: bool = False) -> tuple[bytes, list[str]]:
+    def _dump(self, obj, spill: bool, function: bool = False) -> tuple[bytes, _Pickler]:
         buf = io.BytesIO()
-        pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill)
+        if function:
+            pickler = _FunctionPickler(buf, self.prefix, self._counter, spill=spill)
+        else:
+            pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill)
         try:
             pickler.dump(obj)
         except BaseException:
             remove_files(pickler.created)
             raise
-        return buf.getvalue(), pickler.created
+        return buf.getvalue(), pickler
 
 
 def loads(data: bytes):
     """Inverse of :meth:`Encoder.dumps`."""
     return pickle.loads(data)
+
+
+# ----------------------------------------------------------------------------- functions, sent once per worker
+# A worker keeps this many functions (their bytes, large tensors left out),
+# the least recently used going first. Both bounds hold on both sides: the
+# caller's twin of each worker's cache uses the same numbers.
+FUNCTION_CACHE_SIZE = 32
+FUNCTION_CACHE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PackedFunction:
+    """A function pickled for one call: ``body`` and its ``digest`` name the function, ``files`` hold its large tensors.
+
+    The body holds the function's code and small state (small tensors
+    included, by value); each large CPU tensor it reaches (closure cells,
+    defaults, attributes of a captured module) is left out and copied into a
+    file for this call, as large arguments are. So a worker that already
+    holds the body gets only the 16-byte digest, and still every call sees
+    the tensors' values of the moment it was made: an in-place change in the
+    caller between calls is never missed, and an in-place change made by the
+    function in a worker stays in that call (the file is mapped
+    copy-on-write), exactly as when the function was sent whole.
+
+    ``release()`` removes the files once the call is over.
+    """
+
+    digest: bytes
+    body: bytes
+    bindings: tuple  # per large tensor: (path, nbytes, dtype, shape, requires_grad) of this call's file
+    files: tuple[str, ...]
+
+    def message(self, known: "FunctionCache") -> tuple:
+        """What to send to the worker whose cache ``known`` mirrors; the body only if that worker lacks it."""
+        if known.get(self.digest) is not None:
+            return self.digest, None, self.bindings
+        known.put(self.digest, len(self.body), True)
+        return self.digest, self.body, self.bindings
+
+    def release(self) -> None:
+        remove_files(self.files)
+
+
+class FunctionCache:
+    """The function bodies one worker holds, by digest, least recently used first out.
+
+    The worker keeps the bodies; the caller keeps a twin per worker with the
+    same bounds, recording only that the body was sent. Both apply the same
+    step to the same message in the same order (a hit refreshes the entry, a
+    body sent is added and may evict the oldest), so the twins agree without
+    a word between them. A replaced worker starts with an empty cache and so
+    must its twin.
+
+    Example:
+        >>> cache = FunctionCache(max_functions=2)
+        >>> for digest in (b"a", b"b", b"a", b"c"):   # "c" evicts "b", the least recently used
+        ...     _ = cache.get(digest) or cache.put(digest, 1, digest)
+        >>> sorted(cache.digests())
+        [b'a', b'c']
+    """
+
+    def __init__(self, max_functions: int = FUNCTION_CACHE_SIZE, max_bytes: int = FUNCTION_CACHE_BYTES):
+        self.max_functions = max_functions
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[int, object]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, digest: bytes):
+        """The value kept for ``digest`` (now the most recently used), or ``None``."""
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        self._entries.move_to_end(digest)
+        return entry[1]
+
+    def put(self, digest: bytes, size: int, value) -> None:
+        """Keep ``value`` (of ``size`` bytes) as the most recently used; one larger than ``max_bytes`` is not kept."""
+        if digest in self._entries:
+            self._bytes -= self._entries.pop(digest)[0]
+        if size > self.max_bytes:
+            return
+        self._entries[digest] = (size, value)
+        self._bytes += size
+        while len(self._entries) > self.max_functions or self._bytes > self.max_bytes:
+            self._bytes -= self._entries.popitem(last=False)[1][0]
+
+    def digests(self) -> list[bytes]:
+        """The digests kept, least recently used first."""
+        return list(self._entries)
+
+
+def load_function(message: tuple, cache: FunctionCache, mapped: list | None = None):
+    """In a worker: the function of ``message`` (from :meth:`PackedFunction.message`), its body kept in ``cache``.
+
+    Every call builds a fresh copy from the body and this call's files, as if
+    the function had been sent whole. ``mapped`` receives a weak reference to
+    each tensor mapped from those files (see :func:`release_mapped`).
+    """
+    digest, body, bindings = message
+    if body is None:
+        body = cache.get(digest)
+        if body is None:
+            raise RuntimeError("internal error: the caller sent a function by its digest, and this worker does "
+                               "not hold it")
+    else:
+        # Kept before it is loaded: the caller counts it as held from now on,
+        # even if loading it fails here (then it fails again next time, alike).
+        cache.put(digest, len(body), body)
+    if not bindings:
+        return pickle.loads(body)  # no large tensor: the faster C path
+    return _FunctionUnpickler(body, bindings, [] if mapped is None else mapped).load()
+
+
+def release_mapped(mapped: list) -> None:
+    """Once a function is dropped: make sure the tensors it mapped (``mapped``, from :func:`load_function`) go now.
+
+    Functions of ``__main__`` or a notebook that refer to one another share
+    their globals, a reference cycle: what they hold goes only when the
+    garbage collector next runs, and the memory of a file mapped in a worker
+    counts against ``/dev/shm`` until then. A tensor the function stored on
+    purpose (in ``worker_state()``) stays.
+    """
+    if any(ref() is not None for ref in mapped):
+        gc.collect()
+    mapped.clear()
 
 
 def remove_files(paths) -> None:
