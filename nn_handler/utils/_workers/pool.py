@@ -2,21 +2,26 @@
 
 Data flow::
 
-    caller thread                                   worker i (one per device)
-    -------------                                   ------------------------
-    run/map ──> Encoder.dumps(fn), dumps(args)
-            ──> write (call, kind, fn, payload) to conn_i ──> recv, ack ("got"), loads, fn(..., device=dev_i)
-                                                                 Encoder.dumps(result) ──┐
-    wait([conn_0..n, sentinel_0..n]) <───────────────────────── send_bytes((ok|err, call, body))
-      ├─ a reply: store it; map: hand this worker the next chunk
-      ├─ a sentinel before the ack of a task it never read: a fresh worker takes the task
-      ├─ a sentinel: the worker died ──> kill the call's other busy workers, WorkerDiedError now
-      └─ the deadline: kill the busy workers ──> TimeoutError (all are restarted on next use)
+    caller threads                        engine thread (one per pool)             worker i (one per device)
+    --------------                        ----------------------------             ------------------------
+    submit/run/map: pickle fn, args
+      ──> queue a task, wake the engine ──> a free worker takes the first task
+                                            that fits it (run: each worker its own)
+                                          ──> write (fn_id, kind, fn, payload) ──> ack ("got"), fn(..., device=dev_i)
+    Future.result() <── set_result ─────── poll(pipes, sentinels, wake pipe) <──── (ok|err, fn_id, body)
+                                            ├─ a reply: resolve the task's future; recycle the worker if asked
+                                            ├─ a sentinel before the ack of a task it never read: requeue it
+                                            ├─ a sentinel: that task fails with WorkerDiedError (a run: the
+                                            │   call's other workers are stopped too); replaced on next use
+                                            └─ a task's deadline: its workers are killed ──> TimeoutError
 
+Every task carries its caller's future, so callers in many threads share the
+workers and one caller's failure or timeout touches only its own tasks.
 One duplex pipe per worker (no queue shared by all): a dead worker can only
-break its own pipe, and dynamic load balancing is "send the next chunk to
-whichever worker answered". Death is seen on the process sentinel, never by
-waiting on a pipe a dead worker will not write to.
+break its own pipe. Death is seen on the process sentinel, never by waiting on
+a pipe a dead worker will not write to. The engine owns the running tasks;
+the pool lock guards the slots and the queue, and the engine lets go of it
+while it waits.
 
 Workers come from a forkserver that imported torch once (cheap cold start,
 CUDA-safe because the server never touches CUDA), or from ``spawn`` where
@@ -25,14 +30,16 @@ there is no forkserver.
 
 from __future__ import annotations
 
+import collections
 import errno
-import functools
 import itertools
 import multiprocessing as mp
 import os
 import pickle
+import select
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -51,6 +58,7 @@ from .worker import describe, guard_against_bootstrap, main_module_hidden, worke
 _pool_ids = itertools.count()
 # How long a stopping worker gets to leave on its own before it is killed.
 _STOP_GRACE = 2.0
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 _forkserver_user: int | None = None  # the process whose forkserver our workers come from
@@ -76,15 +84,46 @@ class _Slot:
     process: mp.process.BaseProcess | None = None
     conn: object = None
     incarnation: int = 0
-    has_fn_for: int | None = None  # call id whose function this worker already holds
+    has_fn_for: int | None = None  # function id this worker already holds
+    task: "_Task | None" = None  # the task it runs
+    unread: bool = False  # running, but the worker has read none of its message yet
+    acked: bool = False  # running, and the worker has the whole task
+    deadline: float | None = None
+    served: int = 0  # tasks since it started (max_tasks_per_worker)
+    probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
 
     @property
     def alive(self) -> bool:
         return self.process is not None
 
 
+class _Call:
+    """What one caller waits for: a broadcast (one task per worker, ``run``) or a single task (``submit``,
+    one ``map`` chunk). Its future gets the result or the error."""
+
+    def __init__(self, fn_id: int, kind: str, fn_blob: bytes, name: str, timeout: float | None,
+                 future: Future, broadcast: bool = False, fail_fast: bool = False, files=()):
+        self.fn_id, self.kind, self.fn_blob, self.name = fn_id, kind, fn_blob, name
+        self.timeout, self.future, self.broadcast, self.fail_fast = timeout, future, broadcast, fail_fast
+        self.files = list(files)  # shared-memory files of its arguments, removed when it ends
+        self.pending = 0
+        self.results: dict = {}
+        self.failures: list[RankFailure] = []
+        self.exceptions: dict = {}
+        self.died = self.timed_out = self.started = self.done = False
+
+
+@dataclass
+class _Task:
+    call: _Call
+    key: int  # a broadcast: the worker index; else 0
+    payload: object  # bytes, or a thunk that writes a map chunk's tensors to shared memory at dispatch
+    target: int | None  # the worker that must run it (a broadcast), or None for any
+    resent: bool = False
+
+
 class WorkerPool:
-    """One warm process per device, serving calls one at a time.
+    """One warm process per device; tasks from any number of caller threads go to whichever worker is free.
 
     Args:
         devices: Device strings, one worker each (``"cuda:0"``, ``"cpu"``).
@@ -93,23 +132,31 @@ class WorkerPool:
         threads: ``torch.set_num_threads`` value in each worker.
         start_timeout: Seconds a worker may take to start (initializer
             included) before it is killed; ``None`` waits as long as it lives.
+        max_tasks: Replace a worker after this many tasks (``None``: never).
+        memory_limit: Replace a worker whose memory after a task exceeds this many bytes.
     """
 
     def __init__(self, devices: list[str], *, pass_device: bool, init_blob: bytes | None, threads: int,
-                 start_timeout: float | None = None):
+                 start_timeout: float | None = None, max_tasks: int | None = None, memory_limit: int | None = None):
         self.devices = list(devices)
         self._pass_device = pass_device
         self._init_blob = init_blob
         self._threads = threads
         self._start_timeout = start_timeout
+        self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
-        self._call_ids = itertools.count(1)
+        self._fn_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
         # map items go to one worker each: it unlinks their files as it loads them
         self._items = _transport.Encoder(_transport.shm_prefix(f"{self._token}-m"))
-        self._lock = threading.RLock()  # one call at a time; shutdown waits for it
-        self._closed = False
+        self._lock = threading.RLock()  # the slots and the queue
+        self._queue: collections.deque[_Task] = collections.deque()
+        self._idle = threading.Condition(self._lock)  # notified when nothing is queued or running
+        self._engine: threading.Thread | None = None
+        self._wake_r = self._wake_w = None
+        self._closed = False  # no worker will run anything any more
+        self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
 
     # ----------------------------------------------------------------- life cycle
@@ -117,11 +164,13 @@ class WorkerPool:
         """Start every worker (of ``slots``: all by default) that is not running, and wait until each is ready."""
         self.check_owner()
         with self._lock:
-            self._check_open()
-            for slot in slots or self._slots:
+            if self._closed:
+                raise RuntimeError("this executor has been shut down; create a new one")
+            idle = [s for s in slots or self._slots if s.task is None]  # the engine sees to busy ones
+            for slot in idle:
                 if slot.alive and not slot.process.is_alive():
                     self._kill(slot)  # died between calls: reap it and start a new one
-            fresh = [s for s in slots or self._slots if not s.alive]
+            fresh = [s for s in idle if not s.alive]
             if not fresh:
                 return
             guard_against_bootstrap()
@@ -130,6 +179,7 @@ class WorkerPool:
                 for slot in fresh:
                     self._start_worker(ctx, slot)
                 self._await_ready(fresh)
+                self._wake()  # the engine watches the new pipes from now on
             except BaseException:
                 # Ctrl-C during the initializer, a process that could not be
                 # created: the workers started so far end with the start.
@@ -168,7 +218,7 @@ class WorkerPool:
                 mp.process._children.discard(process)
             child_conn.close()  # only the child holds its end: EOF once it dies
             slot.process, slot.conn = process, parent_conn
-            slot.has_fn_for = None
+            slot.has_fn_for, slot.served, slot.probing = None, 0, False
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
@@ -199,59 +249,90 @@ class WorkerPool:
                     self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
         if failures:
-            self.shutdown()
+            self._close_now(ask=True)
             if timed_out:
                 cls = ExecutorTimeoutError
             else:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             raise cls(failures, exceptions, function="worker start-up (initializer)")
 
-    def shutdown(self, *, wait: bool = True, ask: bool = True) -> None:
-        """Stop every worker; idempotent. Between calls every worker is idle: each is asked to stop.
+    def shutdown(self, *, wait: bool = True, ask: bool = True, cancel: bool = False) -> None:
+        """Stop every worker once the queued and running tasks are done; idempotent.
 
         Args:
-            wait: Wait for a call running in another thread to end. ``False``
-                (at interpreter exit, where that thread may be a daemon that
-                never returns) kills its workers at once instead.
+            wait: ``False`` (at interpreter exit, the finalizer of a dropped
+                executor) kills the workers at once instead: a call running in
+                another thread, maybe a daemon that never returns, fails.
             ask: ``False`` kills the workers without asking (:meth:`terminate`).
+            cancel: Cancel the tasks still queued (``cancel_futures``).
         """
         if os.getpid() != self._owner:
             self._forget()
             return
-        if not self._lock.acquire(blocking=wait):
-            self._closed = True  # the call's next start() fails instead of restarting them
+        if not wait:
+            self._closed = True  # the engine ends, and starts nothing
             for slot in list(self._slots):
-                pipes.signal_kill(slot.process)  # the calling thread sees them die and lets go
+                pipes.signal_kill(slot.process)  # the engine (or a starting caller) sees them die and lets go
+            self._wake()
             if not self._lock.acquire(timeout=10):
                 return  # the workers are dead already; nothing else to wait for
-        try:
-            if self._closed and not any(s.alive for s in self._slots):
-                return
             try:
-                self._closed = True
-                if ask:
-                    self._stop_idle_workers()
+                self._close_now(ask=False)
             finally:
-                # Even when Ctrl-C ends the wait above: a second Ctrl-C must
-                # not leave a worker running (and the pool marked closed).
-                with pipes.sigint_deferred():
-                    for slot in self._slots:
-                        self._kill(slot)
-                    _transport.remove_prefixed(_transport.shm_prefix(self._token))
+                self._lock.release()
+            return
+        try:
+            with self._lock:
+                self._closing = True
+                if cancel:
+                    self._cancel_queued()
+                engine = self._engine
+                self._wake()
+                while engine is not None and engine is not threading.current_thread() and self._busy():
+                    self._idle.wait()  # the queue drains: every task still in it runs first
+            if engine is not None and engine is not threading.current_thread():
+                engine.join()
+            with self._lock:
+                self._close_now(ask=ask)
+        except BaseException:
+            self.terminate()  # Ctrl-C while waiting: no worker outlives it
+            raise
+
+    def _close_now(self, ask: bool) -> None:
+        """Mark the pool closed, fail what is still pending, stop the workers (the lock is held)."""
+        if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None:
+            return
+        try:
+            self._closed = True
+            if ask:
+                self._stop_idle_workers()
         finally:
-            self._lock.release()
+            # Even when Ctrl-C ends the wait above: a second Ctrl-C must
+            # not leave a worker running (and the pool marked closed).
+            with pipes.sigint_deferred():
+                for slot in self._slots:
+                    if slot.task is not None:
+                        task, slot.task = slot.task, None
+                        self._task_failed(task, self._death(slot), died=True)
+                    self._kill(slot)
+                self._cancel_queued()
+                _transport.remove_prefixed(_transport.shm_prefix(self._token))
+                self._wake()
+                if self._engine is None or not self._engine.is_alive():
+                    self._close_wake_pipe()
+                self._idle.notify_all()
 
     def _stop_idle_workers(self) -> None:
         """Ask idle workers to leave and give them a moment to do so."""
         for slot in self._slots:
-            if slot.alive:
+            if slot.alive and slot.task is None:
                 try:
                     slot.conn.send_bytes(pickle.dumps((0, "stop", None, None)))
                 except OSError:
                     pass
         deadline = time.monotonic() + _STOP_GRACE
         for slot in self._slots:
-            if slot.alive:
+            if slot.alive and slot.task is None:
                 slot.process.join(max(0.0, deadline - time.monotonic()))
 
     def _forget(self) -> None:
@@ -277,7 +358,7 @@ class WorkerPool:
 
     def _check_open(self) -> None:
         self.check_owner()
-        if self._closed:
+        if self._closed or self._closing:
             raise RuntimeError("this executor has been shut down; create a new one")
 
     def _kill(self, slot: _Slot) -> None:
@@ -292,7 +373,7 @@ class WorkerPool:
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
-            slot.has_fn_for = None
+            slot.has_fn_for, slot.probing = None, False
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
     def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
@@ -314,50 +395,54 @@ class WorkerPool:
         self._kill(slot)
         return record
 
-    # ----------------------------------------------------------------- calls
+
+    # ----------------------------------------------------------------- calls (any thread)
+    def new_fn_id(self) -> int:
+        """An id for a function: a worker that holds it is not sent it again within one map."""
+        return next(self._fn_ids)
+
     def run(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str, fail_fast: bool = False) -> list:
         """Call the function on every worker; results in worker order.
 
-        ``fail_fast``: raise at the first failure instead of waiting for every
-        worker's reply; for calls whose workers wait on each other (a process
-        group), where the others would wait for the failed one forever.
+        It waits for the tasks the workers are running, then each worker runs
+        it once. ``fail_fast``: fail at the first failure instead of waiting
+        for every worker's reply; for calls whose workers wait on each other
+        (a process group), where the others would wait for the failed one forever.
         """
-        payload, files = self._encode((args, kwargs))
+        future = self.run_async(fn_blob, args, kwargs, timeout, name, fail_fast)
         try:
-            tasks = [(slot.index, payload, slot.index) for slot in self._slots]
-            results = self._dispatch("run", fn_blob, tasks, timeout, name, fail_fast)
-        finally:
-            _transport.remove_files(files)
-        return [results[i] for i in range(len(self._slots))]
+            return future.result()
+        except KeyboardInterrupt:
+            self.terminate()  # Ctrl-C: every worker ends with the call
+            raise
 
-    def map(self, fn_blob: bytes, chunks, timeout: float | None, name: str) -> list:
-        """Call the function on every item; chunks go to whichever worker is free.
+    def run_async(self, fn_blob: bytes, args, kwargs, timeout: float | None, name: str,
+                  fail_fast: bool = False) -> Future:
+        payload, files = self._encode((args, kwargs))
+        call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True,
+                     fail_fast=fail_fast, files=files)
+        self._enqueue(call, [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
+        return call.future
 
-        Every chunk is pickled before anything runs (an item that cannot be
-        pickled fails the call before it starts), but a chunk with large
-        tensors gets its shared-memory files only when a worker is about to
-        receive it, and the worker unlinks them as it loads it: shared memory
-        holds a chunk or two per worker, whatever the size of the input.
-        """
-        files: list[str] = []
-
-        def encode(chunk) -> bytes:
-            payload, created = self._encode(chunk, self._items)
-            files.extend(created)
-            return payload
-
-        tasks = []
-        for key, chunk in enumerate(chunks):
+    def submit(self, fn_id: int, fn_blob: bytes, kind: str, obj, timeout: float | None, name: str,
+               future: Future | None = None) -> Future:
+        """Run one task on whichever worker is free: ``kind`` ``"run"`` (``obj``: ``(args, kwargs)``) or
+        ``"map"`` (``obj``: a chunk of items, pickled now, its large tensors written at dispatch)."""
+        call = _Call(fn_id, kind, fn_blob, name, timeout, future or Future())
+        if kind == "run":
+            payload, call.files = self._encode(obj)
+        else:
             try:
-                payload = self._items.probe(chunk)
+                payload = self._items.probe(obj)
             except Exception as exc:
                 raise PayloadPicklingError(str(exc)) from exc
-            tasks.append((key, payload if payload is not None else functools.partial(encode, chunk), None))
-        try:
-            results = self._dispatch("map", fn_blob, tasks, timeout, name)
-        finally:
-            _transport.remove_files(files)  # chunks whose worker died before loading them
-        return [item for key in range(len(tasks)) for item in results[key]]
+            if payload is None:  # large tensors: to shared memory only when a worker is about to take them
+                def payload(chunk=obj):
+                    blob, created = self._encode(chunk, self._items)
+                    call.files.extend(created)
+                    return blob
+        self._enqueue(call, [_Task(call, 0, payload, None)])
+        return call.future
 
     def _encode(self, obj, encoder: _transport.Encoder | None = None) -> tuple[bytes, list[str]]:
         try:
@@ -369,110 +454,280 @@ class WorkerPool:
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc
 
-    def _dispatch(self, kind: str, fn_blob: bytes, tasks: list, timeout: float | None, name: str,
-                  fail_fast: bool = False) -> dict:
-        with self._lock:
-            self.start()  # replaces workers that died or were killed since the last call
-            call_id = next(self._call_ids)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            queue = list(reversed(tasks))  # pop() takes the first task
-            running: dict[int, tuple] = {}  # slot index -> task
-            unread: set[int] = set()  # running, but the worker has read none of its message yet
-            acked: set[int] = set()  # running, and the worker has the whole task
-            resent: set[int] = set()  # slots whose task already went to a replacement once
-            results, failures, exceptions = {}, [], {}
-            try:
-                while queue or running:
-                    for slot in self._slots:
-                        if slot.index not in running and queue:
-                            task = self._next_task_for(slot, queue)
-                            if task is not None:
-                                if not slot.alive or not slot.process.is_alive():
-                                    self._kill(slot)  # ended since start() looked: a fresh one takes the task
-                                    self.start([slot])
-                                running[slot.index] = task
-                                acked.discard(slot.index)
-                                unread.discard(slot.index)
-                                if self._send(slot, call_id, kind, fn_blob, task[1], deadline):
-                                    unread.add(slot.index)
-                    if not running:
-                        break
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise self._timeout(running, acked, timeout, name)
-                    by_handle = {}
-                    for index in running:
-                        busy = self._slots[index]
-                        by_handle[busy.conn] = by_handle[busy.process.sentinel] = busy
-                    died = False
-                    for handle in wait(list(by_handle), timeout=left):
-                        slot = by_handle[handle]
-                        if not slot.alive or slot.index not in running:
-                            continue  # already handled through its other handle
-                        reply = self._receive(slot, deadline)
-                        if reply is pipes.LATE:
-                            continue  # the deadline check above raises the timeout
-                        if reply is None and slot.index in unread and slot.index not in resent:
-                            # It ended before it read any of the task (it was
-                            # dying between calls): nothing of it ran, so its
-                            # replacement takes the task.
-                            self._kill(slot)
-                            queue.append(running.pop(slot.index))
-                            unread.discard(slot.index)
-                            resent.add(slot.index)
-                            continue
-                        if reply is None:
-                            during = "the call" if slot.index in acked else "the transfer of the call's arguments"
-                            failures.append(self._death(slot, during=during))
-                            running.pop(slot.index)
-                            died = True
-                            continue
-                        status, _, body = reply
-                        if status == "got":  # the worker has the task and starts on it
-                            unread.discard(slot.index)
-                            acked.add(slot.index)
-                            continue
-                        key = running.pop(slot.index)[0]
-                        if status == "ok":
-                            try:
-                                results[key] = _transport.loads(body)
-                                continue
-                            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the caller
-                                self._drop_reply_files(slot)
-                                failures.append(self._unpickle_failure(slot, exc))
-                        else:
-                            self._record_error(slot, body, failures, exceptions)
-                        if status == "exit":  # the function ended its worker (SystemExit): replace it
-                            slot.process.join(_STOP_GRACE)
-                            self._kill(slot)
-                        queue.clear()  # map: no new chunks once a call has failed
-                    if died or (failures and fail_fast and running):
-                        # Fail now, not when the others finish; and stop their
-                        # share of this call, so that nothing of a failed call
-                        # keeps running unseen or delays the next call.
-                        self._stop(running)
-                        cls = WorkerDiedError if died else ParallelExecutionError
-                        raise cls(failures, exceptions, function=name)
-            except KeyboardInterrupt:
-                self.terminate()  # Ctrl-C: every worker ends with the call
-                raise
-            except BaseException:
-                self._stop(running)
-                raise
-            if failures:
-                raise ParallelExecutionError(failures, exceptions, function=name)
-            return results
+    def _enqueue(self, call: _Call, tasks: list[_Task]) -> None:
+        try:
+            self.start()  # replaces idle workers that died since the last call (errors raise here)
+            with self._lock:
+                self._check_open()
+                call.pending = len(tasks)
+                self._queue.extend(tasks)
+                if self._engine is None:
+                    self._wake_r, self._wake_w = os.pipe()
+                    os.set_blocking(self._wake_r, False)
+                    os.set_blocking(self._wake_w, False)
+                    self._engine = threading.Thread(target=self._engine_main, name=f"nn_handler-engine-{self._token}",
+                                                    daemon=True)  # never holds the interpreter open
+                    self._engine.start()
+        except BaseException:
+            _transport.remove_files(call.files)
+            raise
+        self._wake()
 
-    @staticmethod
-    def _next_task_for(slot: _Slot, queue: list):
-        # run: each task is addressed to one worker; map: any worker takes the next one.
-        for pos in range(len(queue) - 1, -1, -1):
-            if queue[pos][2] in (None, slot.index):
-                key, payload, target = queue.pop(pos)
-                # map: a chunk with large tensors is written to shared memory only now
-                return key, payload() if callable(payload) else payload, target
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, TypeError, OSError):
+            pass  # full (it will wake anyway) or no engine yet
+
+    def _busy(self) -> bool:
+        return bool(self._queue) or any(s.task is not None for s in self._slots)
+
+    def _cancel_queued(self) -> None:
+        while self._queue:
+            task = self._queue.popleft()
+            if not task.call.done:
+                task.call.done = True
+                _transport.remove_files(task.call.files)
+                if not task.call.future.cancel():  # a broadcast already running elsewhere
+                    task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
+
+    def _close_wake_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd is not None:
+                os.close(fd)
+        self._wake_r = self._wake_w = None
+
+    # ----------------------------------------------------------------- the engine thread
+    def _engine_main(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or (self._closing and not self._busy()):
+                        return
+                    self._dispatch()
+                    watched, timeout = self._watch_list()
+                poller = select.poll()
+                for fd in watched:
+                    poller.register(fd, _POLL_IN)
+                ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._handle({fd for fd, _ in ready}, watched)
+                    self._check_deadlines()
+        except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
+            with self._lock:
+                for slot in self._slots:
+                    if slot.task is not None:
+                        task, slot.task = slot.task, None
+                        self._finish(task.call, exc)
+                while self._queue:
+                    self._finish(self._queue.popleft().call, exc)
+            raise
+        finally:
+            with self._lock:
+                self._idle.notify_all()
+                if self._closed:
+                    self._close_wake_pipe()
+
+    def _watch_list(self) -> tuple[dict, float | None]:
+        """fd -> (slot, incarnation) to poll, and seconds to the nearest task deadline."""
+        watched: dict = {self._wake_r: None}
+        deadlines = []
+        for slot in self._slots:
+            if slot.alive:
+                watched[slot.conn.fileno()] = watched[slot.process.sentinel] = (slot, slot.incarnation)
+                if slot.task is not None and slot.deadline is not None:
+                    deadlines.append(slot.deadline)
+        return watched, (min(deadlines) - time.monotonic() if deadlines else None)
+
+    def _dispatch(self) -> None:
+        """Give every free worker the first queued task that fits it."""
+        for slot in self._slots:
+            while self._queue and slot.task is None and not slot.probing:
+                task = self._take(slot)
+                if task is None:
+                    break
+                self._begin(slot, task)
+        if not self._busy():
+            self._idle.notify_all()
+
+    def _take(self, slot: _Slot) -> _Task | None:
+        for pos, task in enumerate(self._queue):
+            if task.target is None or task.target == slot.index:
+                del self._queue[pos]
+                call = task.call
+                if call.done:
+                    continue  # its call failed already
+                if not call.started:
+                    call.started = True
+                    if not call.future.set_running_or_notify_cancel():  # cancelled while queued
+                        call.done = True
+                        _transport.remove_files(call.files)
+                        return self._take(slot)
+                return task
         return None
 
+    def _begin(self, slot: _Slot, task: _Task) -> None:
+        call = task.call
+        try:
+            if not slot.alive or not slot.process.is_alive():
+                self._kill(slot)  # ended since it was last seen: a fresh one takes the task
+                self.start([slot])
+            payload = task.payload() if callable(task.payload) else task.payload
+        except BaseException as exc:
+            if self._closed:
+                raise
+            self._finish(call, exc)
+            return
+        slot.task, slot.acked = task, False
+        slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob
+        slot.has_fn_for = call.fn_id
+        message = pickle.dumps((call.fn_id, call.kind, fn_part, payload))
+        slot.unread = pipes.send(slot.conn, slot.process, message, slot.deadline)
+        if self._memory_limit is not None:
+            slot.probing = True  # read after the result: the worker's memory once the task is done
+            pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None)), slot.deadline)
+
+    def _handle(self, ready: set, watched: dict) -> None:
+        for fd in ready:
+            if fd == self._wake_r:
+                try:
+                    while os.read(fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            slot, incarnation = watched[fd]
+            if slot.incarnation != incarnation or not slot.alive:
+                continue  # replaced since the poll began, or seen through its other handle
+            self._handle_slot(slot)
+
+    def _handle_slot(self, slot: _Slot) -> None:
+        reply = pipes.receive(slot.conn, slot.process, slot.deadline if slot.task is not None else None)
+        if reply is pipes.LATE:
+            return  # the deadline check fails the task
+        task = slot.task
+        if reply is None:
+            if task is None:
+                self._kill(slot)  # died while idle: the next task gets a fresh one
+            elif slot.unread and not task.resent:
+                # It ended before it read any of the task (it was dying
+                # between calls): nothing of it ran, so a replacement takes it.
+                self._kill(slot)
+                slot.task, task.resent = None, True
+                self._queue.appendleft(task)
+            else:
+                during = "the call" if slot.acked else "the transfer of the call's arguments"
+                slot.task = None
+                self._task_failed(task, self._death(slot, during=during), died=True)
+            return
+        status, _, body = reply
+        if status == "got":  # the worker has the task and starts on it
+            slot.unread, slot.acked = False, True
+            return
+        if status == "mem":
+            slot.probing = False
+            if body > self._memory_limit:
+                self._retire(slot)
+            return
+        slot.task = None
+        slot.served += 1
+        if status == "ok":
+            try:
+                value = _transport.loads(body)
+            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
+                self._drop_reply_files(slot)
+                self._task_failed(task, self._unpickle_failure(slot, exc))
+            else:
+                self._task_done(task, value)
+        else:
+            record, blob = body
+            exc = None
+            if blob is not None:
+                try:
+                    exc = _transport.loads(blob)
+                except (Exception, SystemExit):
+                    pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
+            if status == "exit":  # the function ended its worker (SystemExit): replace it
+                slot.process.join(_STOP_GRACE)
+                self._kill(slot)
+            self._task_failed(task, record, exc)
+        if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
+            self._retire(slot)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Recycling: end a worker after its task; the next task starts a fresh one (the initializer runs again)."""
+        self._kill(slot)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for slot in self._slots:
+            task = slot.task
+            if task is not None and slot.deadline is not None and now >= slot.deadline and not task.call.done:
+                self._timeout(task.call)
+
+    def _timeout(self, call: _Call) -> None:
+        """Kill the workers still running the call's tasks (stuck: replace them rather than wait); fail it."""
+        call.failures, call.exceptions, call.timed_out = [], {}, True
+        for slot in self._slots:
+            if slot.task is not None and slot.task.call is call:
+                pid = slot.process.pid
+                what = "still running after" if slot.acked else "had not taken the call's arguments within"
+                slot.task = None
+                self._kill(slot)
+                call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
+                                                 message=f"{what} the {call.timeout:g}s timeout; worker replaced"))
+        self._finish(call)
+
+    # ----------------------------------------------------------------- outcomes (the lock is held)
+    def _task_done(self, task: _Task, value) -> None:
+        call = task.call
+        if call.done:
+            return
+        call.results[task.key] = value
+        call.pending -= 1
+        if call.pending == 0:
+            self._finish(call)
+
+    def _task_failed(self, task: _Task, record: RankFailure, exc: BaseException | None = None,
+                     died: bool = False) -> None:
+        call = task.call
+        if call.done:
+            return
+        call.failures.append(record)
+        if exc is not None:
+            call.exceptions[record.rank] = exc
+        call.died = call.died or died
+        call.pending -= 1
+        if call.broadcast and (died or call.fail_fast) and call.pending:
+            # Fail now, not when the others finish; and stop their share of
+            # this call, so that nothing of a failed call keeps running unseen.
+            for slot in self._slots:
+                if slot.task is not None and slot.task.call is call:
+                    slot.task = None
+                    self._kill(slot)
+            call.pending = 0
+        if call.pending == 0:
+            self._finish(call)
+
+    def _finish(self, call: _Call, error: BaseException | None = None) -> None:
+        if call.done:
+            return
+        call.done = True
+        _transport.remove_files(call.files)
+        if error is None and call.failures:
+            cls = ExecutorTimeoutError if call.timed_out else WorkerDiedError if call.died else ParallelExecutionError
+            error = cls.create(call.failures, call.exceptions, function=call.name)
+        if call.future.done():
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        elif call.broadcast:
+            call.future.set_result([call.results[i] for i in range(len(self._slots))])
+        else:
+            call.future.set_result(call.results[0])
     def _drop_reply_files(self, slot: _Slot) -> None:
         """Remove the result files of a reply that will not be loaded (the worker is idle: nothing else is in flight)."""
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
@@ -481,24 +736,6 @@ class WorkerPool:
     def _receive(slot: _Slot, deadline: float | None = None):
         """The next reply of ``slot``; ``None`` when it died, ``pipes.LATE`` past ``deadline``."""
         return pipes.receive(slot.conn, slot.process, deadline)
-
-    @staticmethod
-    def _write(slot: _Slot, data: bytes, deadline: float | None) -> bool:
-        """Send one message to ``slot``; True when the worker read none of it (see :func:`pipes.send`)."""
-        return pipes.send(slot.conn, slot.process, data, deadline)
-
-    def _send(self, slot: _Slot, call_id: int, kind: str, fn_blob: bytes, payload: bytes,
-              deadline: float | None) -> bool:
-        """Send one task; True when the worker has read none of it yet (it may still be dying)."""
-        fn_part = None if slot.has_fn_for == call_id else fn_blob
-        slot.has_fn_for = call_id
-        return self._write(slot, pickle.dumps((call_id, kind, fn_part, payload)), deadline)
-
-    def _stop(self, running: dict) -> None:
-        """Kill the workers still running a failed call's tasks; the next call starts fresh ones."""
-        for index in running:
-            self._kill(self._slots[index])
-        running.clear()
 
     def _record_error(self, slot: _Slot, body, failures: list, exceptions: dict) -> None:
         record, blob = body
@@ -514,21 +751,9 @@ class WorkerPool:
         return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
                            message=f"the result could not be unpickled in the caller: {describe(exc)}")
 
-    def _timeout(self, running: dict, acked: set, timeout: float, name: str) -> ExecutorTimeoutError:
-        failures = []
-        for index in sorted(running):
-            slot = self._slots[index]
-            pid = slot.process.pid
-            self._kill(slot)  # stuck: replace it rather than wait on it
-            what = "still running after" if index in acked else "had not taken the call's arguments within"
-            failures.append(RankFailure(rank=index, device=slot.device, pid=pid,
-                                        message=f"{what} the {timeout:g}s timeout; worker replaced"))
-        running.clear()
-        return ExecutorTimeoutError(failures, function=name)
-
     def terminate(self) -> None:
         """Kill every worker at once (Ctrl-C, caller error) and close the pool."""
         if os.getpid() != self._owner:
             return self.shutdown()
-        with self._lock, pipes.sigint_deferred():  # a second Ctrl-C waits until they are gone
-            self.shutdown(ask=False)
+        with pipes.sigint_deferred():  # a second Ctrl-C waits until they are gone
+            self.shutdown(wait=False)
