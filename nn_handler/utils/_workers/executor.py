@@ -293,7 +293,8 @@ class ParallelExecutor(concurrent.futures.Executor):
         self._pool.check_owner()
         fn_blob = _pickle_call(fn, self.pass_device)
         try:
-            return self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", (args, kwargs), self.timeout, _name(fn))
+            return self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
+                                     _name(fn))[0]
         except PayloadPicklingError:
             _check_picklable(args, kwargs, fn)
             raise
@@ -363,23 +364,26 @@ class _MapResults:
         self.exhausted = False
 
     def fill(self) -> None:
-        while not self.exhausted and len(self.futures) < self.ahead:
+        chunks = []
+        while not self.exhausted and len(self.futures) + len(chunks) < self.ahead:
             chunk = list(itertools.islice(self.items, self.chunksize))
-            if not chunk:
+            if chunk:
+                chunks.append(chunk)
+            else:
                 self.exhausted = True
-                return
-            try:
-                future = self.pool.submit(self.fn_id, self.fn_blob, "map", chunk, self.task_timeout, self.name)
-            except PayloadPicklingError:
-                for i, item in enumerate(chunk):
-                    try:
-                        cloudpickle.dumps(item)
-                    except Exception as exc:
-                        raise TypeError(f"item {self.first + i} ({type(item).__name__}) cannot be pickled to send "
-                                        f"to the workers: {exc}") from exc
-                raise
-            self.first += len(chunk)
-            self.futures.append(future)
+        if not chunks:
+            return
+        try:
+            self.futures += self.pool.submit(self.fn_id, self.fn_blob, "map", chunks, self.task_timeout, self.name)
+        except PayloadPicklingError:
+            for i, item in enumerate(item for chunk in chunks for item in chunk):
+                try:
+                    cloudpickle.dumps(item)
+                except Exception as exc:
+                    raise TypeError(f"item {self.first + i} ({type(item).__name__}) cannot be pickled to send "
+                                    f"to the workers: {exc}") from exc
+            raise
+        self.first += sum(len(chunk) for chunk in chunks)
 
     def iterate(self, bar) -> Iterator:
         try:

@@ -421,28 +421,48 @@ class WorkerPool:
         payload, files = self._encode((args, kwargs))
         call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True,
                      fail_fast=fail_fast, files=files)
-        self._enqueue(call, [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
+        self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
         return call.future
 
-    def submit(self, fn_id: int, fn_blob: bytes, kind: str, obj, timeout: float | None, name: str,
-               future: Future | None = None) -> Future:
-        """Run one task on whichever worker is free: ``kind`` ``"run"`` (``obj``: ``(args, kwargs)``) or
-        ``"map"`` (``obj``: a chunk of items, pickled now, its large tensors written at dispatch)."""
-        call = _Call(fn_id, kind, fn_blob, name, timeout, future or Future())
+    def submit(self, fn_id: int, fn_blob: bytes, kind: str, objs: list, timeout: float | None,
+               name: str) -> list[Future]:
+        """Queue one task per object for whichever worker is free; their futures.
+
+        ``kind`` ``"run"``: each object is ``(args, kwargs)``; ``"map"``: a
+        chunk of items, whose large tensors go to shared memory only when a
+        worker is about to take it. Everything is pickled before anything is
+        queued (or a worker started).
+        """
+        calls, tasks = [], []
+        try:
+            for obj in objs:
+                call = _Call(fn_id, kind, fn_blob, name, timeout, Future())
+                calls.append(call)
+                tasks.append(_Task(call, 0, self._payload(call, kind, obj), None))
+            self._enqueue(calls, tasks)
+        except BaseException:
+            for call in calls:
+                _transport.remove_files(call.files)
+            raise
+        return [call.future for call in calls]
+
+    def _payload(self, call: _Call, kind: str, obj):
         if kind == "run":
             payload, call.files = self._encode(obj)
-        else:
-            try:
-                payload = self._items.probe(obj)
-            except Exception as exc:
-                raise PayloadPicklingError(str(exc)) from exc
-            if payload is None:  # large tensors: to shared memory only when a worker is about to take them
-                def payload(chunk=obj):
-                    blob, created = self._encode(chunk, self._items)
-                    call.files.extend(created)
-                    return blob
-        self._enqueue(call, [_Task(call, 0, payload, None)])
-        return call.future
+            return payload
+        try:
+            payload = self._items.probe(obj)
+        except Exception as exc:
+            raise PayloadPicklingError(str(exc)) from exc
+        if payload is not None:
+            return payload
+
+        def write_to_shared_memory() -> bytes:
+            blob, created = self._encode(obj, self._items)
+            call.files.extend(created)
+            return blob
+
+        return write_to_shared_memory
 
     def _encode(self, obj, encoder: _transport.Encoder | None = None) -> tuple[bytes, list[str]]:
         try:
@@ -454,12 +474,13 @@ class WorkerPool:
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc
 
-    def _enqueue(self, call: _Call, tasks: list[_Task]) -> None:
+    def _enqueue(self, calls: list[_Call], tasks: list[_Task]) -> None:
         try:
             self.start()  # replaces idle workers that died since the last call (errors raise here)
             with self._lock:
                 self._check_open()
-                call.pending = len(tasks)
+                for task in tasks:
+                    task.call.pending += 1
                 self._queue.extend(tasks)
                 if self._engine is None:
                     self._wake_r, self._wake_w = os.pipe()
@@ -469,7 +490,8 @@ class WorkerPool:
                                                     daemon=True)  # never holds the interpreter open
                     self._engine.start()
         except BaseException:
-            _transport.remove_files(call.files)
+            for call in calls:
+                _transport.remove_files(call.files)
             raise
         self._wake()
 
