@@ -215,3 +215,164 @@ def test_context_manager(fresh):
         assert ex.submit(square, 5).result(timeout=60) == 25
     with pytest.raises(RuntimeError):
         fresh.submit(square, 1)
+
+
+# ----------------------------------------------------------------------------- what ParallelExecutor adds
+@pytest.fixture(scope="module")
+def ours(request):
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=60).start()
+    pids = set(ex.run(pid_of))
+    request.config._nn_handler_session_pids = getattr(request.config, "_nn_handler_session_pids", set()) | pids
+    yield ex
+    ex.shutdown()
+    assert not pids_alive(list(pids))
+
+
+def test_map_reads_its_input_lazily(ours):
+    consumed = []
+
+    def numbers():
+        for i in range(1_000_000):
+            consumed.append(i)
+            yield i
+
+    results = ours.map(square, numbers(), chunksize=4)
+    assert [next(results) for _ in range(10)] == [i * i for i in range(10)]
+    assert len(consumed) < 200  # a few chunks ahead of the results, not the million
+    results.close()  # abandoned: the chunks not started are cancelled
+    assert ours.submit(square, 3).result(timeout=60) == 9
+
+
+def test_map_first_result_before_the_last_item_is_done(ours):
+    results = ours.map(sleep_then, [0.0, 0.0, 0.0, 30.0], [1, 2, 3, 4], timeout=60)
+    begin = time.monotonic()
+    assert next(results) == 1
+    assert time.monotonic() - begin < 25  # did not wait for the 30 s item
+    results.close()
+
+
+def test_map_progress_is_off_without_a_terminal(ours, capsys):
+    assert list(ours.map(square, range(5), progress=True)) == [0, 1, 4, 9, 16]
+    assert "it/s" not in capsys.readouterr().err and "item/s" not in capsys.readouterr().err
+
+
+def test_map_progress_bar_on_a_terminal(ours, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert list(ours.map(square, range(50), chunksize=5, progress=True)) == [x * x for x in range(50)]
+    out = stream.getvalue()
+    assert "50/50" in out and "item/s" in out
+
+
+def test_run_raises_an_error_of_the_original_type(ours):
+    with pytest.raises(ZeroDivisionError) as info:
+        ours.run(divide, 1, 0)
+    assert isinstance(info.value, ParallelExecutionError)
+    assert "ZeroDivisionError" in str(info.value) and "division by zero" in str(info.value.__cause__)
+
+
+def _mixed_call(ex, thread, i):
+    """One of five kinds of call; returns (what was expected, what came back)."""
+    x = thread * 1000 + i
+    kind = i % 5
+    if kind == 0:
+        return [x + 1, x + 1], ex.run(add, x, 1)
+    if kind == 1:
+        return x * x, ex.submit(square, x).result(timeout=60)
+    if kind == 2:
+        return [x + j for j in range(7)], list(ex.map(add, [x] * 7, range(7), chunksize=2))
+    if kind == 3:
+        try:
+            ex.submit(fail_on, x, x).result(timeout=60)
+        except KeyError as exc:  # its own error, not another caller's
+            return f"'item {x}'", str(exc).splitlines()[0].rsplit("KeyError: ", 1)[-1]
+        return f"'item {x}'", "no error"
+    try:  # a map whose 3rd item fails: the first two come back, then the error
+        got = []
+        for value in ex.map(fail_on, range(x, x + 5), [x + 2] * 5):
+            got.append(value)
+    except KeyError:
+        got.append("KeyError")
+    return [x, x + 1, "KeyError"], got
+
+
+@pytest.mark.timeout(300)
+def test_many_threads_share_the_workers_and_keep_their_results(ours):
+    """8 threads x 50 mixed calls (run, submit, map, failing submit, failing map): every result checked."""
+    problems, lock = [], threading.Lock()
+
+    def caller(thread):
+        for i in range(50):
+            try:
+                expected, got = _mixed_call(ours, thread, i)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                expected, got = "no exception", repr(exc)
+            if expected != got:
+                with lock:
+                    problems.append((thread, i, expected, got))
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    assert not problems, problems[:5]
+
+
+def _die(_=None):
+    os._exit(7)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_fails_only_its_task_and_queued_tasks_go_on():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        before = ex.submit(sleep_then, 0.5, "before")
+        doomed = ex.submit(_die)
+        queued = [ex.submit(square, i) for i in range(20)]
+        with pytest.raises(WorkerDiedError, match="exit code 7"):
+            doomed.result(timeout=60)
+        assert before.result(timeout=60) == "before"
+        assert [f.result(timeout=60) for f in queued] == [i * i for i in range(20)]
+        assert len(ex.run(pid_of)) == 2  # replaced
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_in_one_callers_task_leaves_the_others_alone():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=3) as ex:
+        stuck = ex.submit(sleep_then, 60, "never")
+        others = []
+
+        def other_caller():
+            others.extend(ex.submit(add, i, 1).result(timeout=60) for i in range(30))
+
+        thread = threading.Thread(target=other_caller)
+        thread.start()
+        with pytest.raises(TimeoutError, match="3s timeout"):
+            stuck.result(timeout=60)
+        thread.join(60)
+        assert others == [i + 1 for i in range(30)]
+        assert ex.run(square, 4) == [16, 16]  # the stuck worker was replaced
+
+
+def test_submit_passes_the_device():
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        assert str(ex.submit(lambda x, device: (x, device), 1).result(timeout=60)[1]) == "cpu"
+        assert [str(d) for d in ex.map(lambda device, x: device, [1, 2])] == ["cpu", "cpu"]  # seed style
+
+
+def test_submit_bad_input_fails_at_the_call():
+    ex = ParallelExecutor(device_ids=CPU2)
+    with pytest.raises(TypeError, match=r"positional argument 0 of .* \(lock\) cannot be pickled"):
+        ex.submit(lambda a, device: a, threading.Lock())
+    with pytest.raises(TypeError, match="expected a callable"):
+        ex.submit(42)
+    assert all(s.process is None for s in ex._pool._slots)
+    ex.shutdown()
