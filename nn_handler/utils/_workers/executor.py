@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, ParamSpec, Sequence, TypeVar
@@ -64,7 +65,27 @@ def _check_timeout(timeout: float | None) -> float | None:
     return check_number("timeout", timeout, unit="seconds", allow_none=True)
 
 
+_positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code object -> device position
+
+
 def _device_position(func, pass_device: bool) -> int | None:
+    """Where ``device`` goes in a call of ``func`` (see :func:`_find_device_position`), cached per code object:
+    inspecting a signature costs more than the rest of a warm call."""
+    if not pass_device:
+        return None
+    code = getattr(func, "__code__", None)
+    plain = isinstance(func, types.FunctionType) and not hasattr(func, "__signature__") \
+        and not hasattr(func, "__wrapped__")
+    if not plain or code is None:
+        return _find_device_position(func, pass_device)
+    try:
+        return _positions[code]
+    except KeyError:
+        position = _positions[code] = _find_device_position(func, pass_device)
+        return position
+
+
+def _find_device_position(func, pass_device: bool) -> int | None:
     """Where ``device`` goes in a call of ``func``: a positional index, or ``None`` for a keyword.
 
     The seed's style ``def f(device, data)`` called as ``f(data)`` needs the

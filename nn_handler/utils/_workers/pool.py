@@ -107,6 +107,7 @@ class WorkerPool(Scheduler):
         self._idle = threading.Condition(self._lock)  # notified when nothing is queued or running
         self._engine: threading.Thread | None = None
         self._wake_r = self._wake_w = None
+        self._wake_lock = threading.Lock()
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
@@ -120,7 +121,7 @@ class WorkerPool(Scheduler):
                 raise RuntimeError("this executor has been shut down; create a new one")
             idle = [s for s in slots or self._slots if s.task is None]  # the engine sees to busy ones
             for slot in idle:
-                if slot.alive and not slot.process.is_alive():
+                if slot.alive and slot.exited():
                     self._kill(slot)  # died between calls: reap it and start a new one
             fresh = [s for s in idle if not s.alive]
             if not fresh:
@@ -169,6 +170,7 @@ class WorkerPool(Scheduler):
                 # made with os.fork(), would stop the parent's workers.
                 mp.process._children.discard(process)
             child_conn.close()  # only the child holds its end: EOF once it dies
+            os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn = process, parent_conn
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
 

@@ -37,6 +37,12 @@ _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 _STOP_GRACE = 2.0
 
 
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, _POLL_IN)
+    return bool(poller.poll(0))
+
+
 @dataclass
 class _Slot:
     index: int
@@ -55,6 +61,11 @@ class _Slot:
     @property
     def alive(self) -> bool:
         return self.process is not None
+
+    def exited(self) -> bool:
+        """Whether its process has ended: its sentinel is readable. (``Process.is_alive()`` asks the same
+        through a selector, at ten times the cost, on every call.)"""
+        return _readable(self.process.sentinel)
 
 
 class _Call:
@@ -179,17 +190,28 @@ class Scheduler:
                     self._engine = threading.Thread(target=self._engine_main, name=f"nn_handler-engine-{self._token}",
                                                     daemon=True)  # never holds the interpreter open
                     self._engine.start()
+                # The caller hands its tasks to free workers itself: the engine,
+                # already waiting on every worker's pipe, wakes for the reply.
+                # It is woken only to learn of a new deadline.
+                try:
+                    self._dispatch()
+                except KeyboardInterrupt:
+                    self.terminate()  # Ctrl-C half-way through a message: the worker cannot be trusted
+                    raise
+                wake = any(task.call.timeout is not None for task in tasks)
         except BaseException:
             for call in calls:
                 _transport.remove_files(call.files)
             raise
-        self._wake()
+        if wake:
+            self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"!")
-        except (BlockingIOError, TypeError, OSError):
-            pass  # full (it will wake anyway) or no engine yet
+        with self._wake_lock:  # never a write to a descriptor that was closed (and maybe reused)
+            try:
+                os.write(self._wake_w, b"!")
+            except (BlockingIOError, TypeError, OSError):
+                pass  # full (it will wake anyway) or no engine yet
 
     def _busy(self) -> bool:
         return bool(self._queue) or any(s.task is not None for s in self._slots)
@@ -204,10 +226,11 @@ class Scheduler:
                     task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
 
     def _close_wake_pipe(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            if fd is not None:
-                os.close(fd)
-        self._wake_r = self._wake_w = None
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd is not None:
+                    os.close(fd)
+            self._wake_r = self._wake_w = None
 
     # ----------------------------------------------------------------- the engine thread
     def _engine_main(self) -> None:
@@ -283,7 +306,7 @@ class Scheduler:
     def _begin(self, slot: _Slot, task: _Task) -> None:
         call = task.call
         try:
-            if not slot.alive or not slot.process.is_alive():
+            if not slot.alive or slot.exited():
                 self._kill(slot)  # ended since it was last seen: a fresh one takes the task
                 self.start([slot])
             payload = task.payload() if callable(task.payload) else task.payload
@@ -312,9 +335,11 @@ class Scheduler:
                     pass
                 continue
             slot, incarnation = watched[fd]
-            if slot.incarnation != incarnation or not slot.alive:
-                continue  # replaced since the poll began, or seen through its other handle
-            self._handle_slot(slot)
+            # Several messages may be waiting (the ack and the reply of a short task): read them all now.
+            while slot.incarnation == incarnation and slot.alive:  # else: replaced, or seen through its other fd
+                self._handle_slot(slot)
+                if not (slot.alive and _readable(slot.conn.fileno())):
+                    break
 
     def _handle_slot(self, slot: _Slot) -> None:
         reply = pipes.receive(slot.conn, slot.process, slot.deadline if slot.task is not None else None)
