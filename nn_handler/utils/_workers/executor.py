@@ -7,7 +7,6 @@ import inspect
 import itertools
 import os
 import sys
-import threading
 import time
 import types
 import warnings
@@ -267,16 +266,8 @@ class ParallelExecutor(concurrent.futures.Executor):
         """
         if wait:
             self._pool.shutdown(cancel=cancel_futures)
-            return
-        with self._pool._lock:
-            self._pool._closing = True  # no new tasks; the engine stops the workers once the queue is empty
-            if cancel_futures:
-                self._pool._cancel_queued()
-            drained = self._pool._engine is None or not self._pool._busy()
-        if drained:
-            self._pool.shutdown(cancel=cancel_futures)
         else:
-            threading.Thread(target=self._pool.shutdown, name="nn_handler-shutdown", daemon=True).start()
+            self._pool.shutdown_later(cancel=cancel_futures)
 
     def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
         """Call ``func(*args, **kwargs)`` once on every worker (after the tasks they are running).
@@ -314,11 +305,15 @@ class ParallelExecutor(concurrent.futures.Executor):
         self._pool.check_owner()
         fn_blob = _pickle_call(fn, self.pass_device)
         try:
-            return self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
-                                     _name(fn))[0]
+            future = self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
+                                       _name(fn))[0]
         except PayloadPicklingError:
             _check_picklable(args, kwargs, fn)
             raise
+        # ``ParallelExecutor().submit(f).result()``: the executor lives as long as
+        # the future, not only as long as the caller's reference to it.
+        future._nn_handler_executor = self
+        return future
 
     def map(self, fn: Callable[..., R], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1, progress: bool = False) -> Iterator[R]:
@@ -354,6 +349,7 @@ class ParallelExecutor(concurrent.futures.Executor):
         total = _length(iterables)
         results = _MapResults(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize, end,
                               ahead=4 * self.num_workers)
+        results.owner = self  # as with submit: a pending map keeps its executor alive
         results.fill()  # work starts now, and items that cannot be pickled fail here when they come first
         return results.iterate(_progress_bar(progress, total))
 
@@ -368,9 +364,9 @@ def _length(iterables) -> int | None:
 def _progress_bar(progress: bool, total: int | None):
     if not progress or not sys.stderr.isatty():
         return None
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
-    return tqdm(total=total, unit="item", desc="map")
+    return tqdm(total=total, unit="item", desc="map", file=sys.stderr)
 
 
 class _MapResults:

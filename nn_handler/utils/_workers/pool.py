@@ -252,6 +252,18 @@ class WorkerPool(Scheduler):
             self.terminate()  # Ctrl-C while waiting: no worker outlives it
             raise
 
+    def shutdown_later(self, cancel: bool = False) -> None:
+        """``shutdown(wait=False)`` of an executor: no new tasks; the workers stop once the queued ones are done."""
+        with self._lock:
+            self._closing = True
+            if cancel:
+                self._cancel_queued()
+            drained = self._engine is None or not self._busy()
+        if drained:
+            self.shutdown()
+        else:  # the waiting is done by a thread of its own
+            threading.Thread(target=self.shutdown, name="nn_handler-shutdown", daemon=True).start()
+
     def _close_now(self, ask: bool) -> None:
         """Mark the pool closed, fail what is still pending, stop the workers (the lock is held)."""
         if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None:

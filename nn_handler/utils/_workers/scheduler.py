@@ -258,6 +258,8 @@ class Scheduler:
                         self._finish(task.call, exc)
                 while self._queue:
                     self._finish(self._queue.popleft().call, exc)
+                if self._closed:
+                    return  # the pool was closed under it (a replacement's initializer failed): said to its callers
             raise
         finally:
             with self._lock:
