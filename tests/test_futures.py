@@ -376,3 +376,44 @@ def test_submit_bad_input_fails_at_the_call():
         ex.submit(42)
     assert all(s.process is None for s in ex._pool._slots)
     ex.shutdown()
+
+
+def test_parallel_predict_draws_its_progress_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    import torch
+
+    from nn_handler.utils.parallel import parallel_predict
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(20, 3)
+    out = parallel_predict(model, x, batch_size=4, device_ids=CPU2, progress=True)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    assert "item/s" in stream.getvalue()
+
+
+def test_many_cancelled_tasks_are_skipped():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        blocker = ex.submit(sleep_then, 1.0, "blocker")
+        cancelled = [ex.submit(square, i) for i in range(3000)]
+        last = ex.submit(square, 12)
+        assert all(f.cancel() for f in cancelled)
+        assert blocker.result(timeout=60) == "blocker" and last.result(timeout=60) == 144
+
+
+def test_a_run_that_failed_early_leaves_no_task_behind_a_busy_worker():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        busy = ex.submit(sleep_then, 1.5, "busy")  # worker 0: the run's share there waits in the queue
+        time.sleep(0.3)
+        with pytest.raises(WorkerDiedError, match="exit code 7"):
+            ex.run(_die)  # worker 1 dies: the run fails now, its queued share is dropped
+        assert busy.result(timeout=60) == "busy"
+        assert [ex.submit(square, i).result(timeout=60) for i in range(4)] == [0, 1, 4, 9]
+        assert len(ex.run(pid_of)) == 2

@@ -290,20 +290,23 @@ class Scheduler:
             self._idle.notify_all()
 
     def _take(self, slot: _Slot) -> _Task | None:
-        for pos, task in enumerate(self._queue):
-            if task.target is None or task.target == slot.index:
-                del self._queue[pos]
-                call = task.call
-                if call.done:
-                    continue  # its call failed already
-                if not call.started:
-                    call.started = True
-                    if not call.future.set_running_or_notify_cancel():  # cancelled while queued
-                        call.done = True
-                        _transport.remove_files(call.files)
-                        return self._take(slot)
-                return task
-        return None
+        """Pop the first queued task that ``slot`` may run, skipping those of calls cancelled or failed."""
+        while True:
+            pos = next((i for i, t in enumerate(self._queue) if t.target is None or t.target == slot.index), None)
+            if pos is None:
+                return None
+            task = self._queue[pos]
+            del self._queue[pos]
+            call = task.call
+            if call.done:
+                continue  # its call failed already
+            if not call.started:
+                call.started = True
+                if not call.future.set_running_or_notify_cancel():  # cancelled while queued
+                    call.done = True
+                    _transport.remove_files(call.files)
+                    continue
+            return task
 
     def _begin(self, slot: _Slot, task: _Task) -> None:
         call = task.call
