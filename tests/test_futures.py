@@ -417,3 +417,15 @@ def test_a_run_that_failed_early_leaves_no_task_behind_a_busy_worker():
         assert busy.result(timeout=60) == "busy"
         assert [ex.submit(square, i).result(timeout=60) for i in range(4)] == [0, 1, 4, 9]
         assert len(ex.run(pid_of)) == 2
+
+
+def _raise_os_error(_=None):
+    raise OSError("disk on fire")
+
+
+def test_an_exception_type_that_cannot_be_combined_is_named():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        error = ex.submit(_raise_os_error).exception(timeout=60)
+    # OSError's layout cannot be mixed with RuntimeError's: a ParallelExecutionError that names it
+    assert type(error) is ParallelExecutionError and "OSError: disk on fire" in str(error)
+    assert isinstance(error.exceptions[0], OSError)
