@@ -108,6 +108,7 @@ class WorkerPool(Scheduler):
         self._engine: threading.Thread | None = None
         self._wake_r = self._wake_w = None
         self._wake_lock = threading.Lock()
+        self._generation = 0  # bumped whenever a worker starts or ends: the engine's cue to re-read the slots
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
@@ -172,6 +173,7 @@ class WorkerPool(Scheduler):
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn = process, parent_conn
+            self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
@@ -340,6 +342,7 @@ class WorkerPool(Scheduler):
                 slot.conn.close()
             slot.process = slot.conn = None
             slot.has_fn_for, slot.probing = None, False
+            self._generation += 1
         _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
 
     def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:

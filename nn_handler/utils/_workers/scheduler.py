@@ -234,16 +234,19 @@ class Scheduler:
 
     # ----------------------------------------------------------------- the engine thread
     def _engine_main(self) -> None:
+        watched, poller, generation = {}, None, None
         try:
             while True:
                 with self._lock:
                     if self._closed or (self._closing and not self._busy()):
                         return
                     self._dispatch()
-                    watched, timeout = self._watch_list()
-                poller = select.poll()
-                for fd in watched:
-                    poller.register(fd, _POLL_IN)
+                    if generation != self._generation:  # a worker started or ended: watch the current ones
+                        generation, watched = self._generation, self._watch_list()
+                        poller = select.poll()
+                        for fd in watched:
+                            poller.register(fd, _POLL_IN)
+                    timeout = self._next_deadline()
                 ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
                 with self._lock:
                     if self._closed:
@@ -267,16 +270,18 @@ class Scheduler:
                 if self._closed:
                     self._close_wake_pipe()
 
-    def _watch_list(self) -> tuple[dict, float | None]:
-        """fd -> (slot, incarnation) to poll, and seconds to the nearest task deadline."""
+    def _watch_list(self) -> dict:
+        """fd -> (slot, incarnation) to poll: the wake-up pipe, and every worker's pipe and sentinel."""
         watched: dict = {self._wake_r: None}
-        deadlines = []
         for slot in self._slots:
             if slot.alive:
                 watched[slot.conn.fileno()] = watched[slot.process.sentinel] = (slot, slot.incarnation)
-                if slot.task is not None and slot.deadline is not None:
-                    deadlines.append(slot.deadline)
-        return watched, (min(deadlines) - time.monotonic() if deadlines else None)
+        return watched
+
+    def _next_deadline(self) -> float | None:
+        """Seconds to the nearest deadline of a running task, or None."""
+        deadlines = [s.deadline for s in self._slots if s.task is not None and s.deadline is not None]
+        return min(deadlines) - time.monotonic() if deadlines else None
 
     def _dispatch(self) -> None:
         """Give every free worker the first queued task that fits it."""
