@@ -51,7 +51,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
 from . import pipes
 from . import transport as _transport
 from .scheduler import _STOP_GRACE, Scheduler, _Slot, _Task
-from .worker import describe, guard_against_bootstrap, main_module_hidden, worker_main
+from .worker import guard_against_bootstrap, main_module_hidden, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
@@ -108,6 +108,7 @@ class WorkerPool(Scheduler):
         self._engine: threading.Thread | None = None
         self._wake_r = self._wake_w = None
         self._wake_lock = threading.Lock()
+        self._replies: list = []  # the engine's: results read, to unpickle once the lock is let go
         self._generation = 0  # bumped whenever a worker starts or ends: the engine's cue to re-read the slots
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
@@ -382,11 +383,6 @@ class WorkerPool(Scheduler):
                 exceptions[slot.index] = _transport.loads(blob)
             except (Exception, SystemExit):
                 pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
-
-    @staticmethod
-    def _unpickle_failure(slot: _Slot, exc: BaseException) -> RankFailure:
-        return RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type=type(exc).__qualname__,
-                           message=f"the result could not be unpickled in the caller: {describe(exc)}")
 
     def terminate(self) -> None:
         """Kill every worker at once (Ctrl-C, caller error) and close the pool."""

@@ -31,6 +31,7 @@ from ...errors import (
 )
 from . import pipes
 from . import transport as _transport
+from .worker import describe
 
 _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -234,7 +235,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- the engine thread
     def _engine_main(self) -> None:
-        watched, poller, generation = {}, None, None
+        watched, poller, generation, replies = {}, None, None, None
         try:
             while True:
                 with self._lock:
@@ -253,6 +254,12 @@ class Scheduler:
                         return
                     self._handle({fd for fd, _ in ready}, watched)
                     self._check_deadlines()
+                    if self._replies:
+                        self._dispatch()
+                        replies, self._replies = self._replies, []
+                if replies:
+                    self._load_replies(replies)
+                    replies = None
         except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
             with self._lock:
                 for slot in self._slots:
@@ -261,6 +268,9 @@ class Scheduler:
                         self._finish(task.call, exc)
                 while self._queue:
                     self._finish(self._queue.popleft().call, exc)
+                for task, *_ in (replies or []) + self._replies:
+                    self._finish(task.call, exc)
+                self._replies = []
                 if self._closed:
                     return  # the pool was closed under it (a replacement's initializer failed): said to its callers
             raise
@@ -382,13 +392,9 @@ class Scheduler:
         slot.task = None
         slot.served += 1
         if status == "ok":
-            try:
-                value = _transport.loads(body)
-            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
-                self._drop_reply_files(slot)
-                self._task_failed(task, self._unpickle_failure(slot, exc))
-            else:
-                self._task_done(task, value)
+            # Unpickled by the engine after it has given the worker its next
+            # task, and without the lock: callers queue work meanwhile.
+            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid))
         else:
             record, blob = body
             exc = None
@@ -403,6 +409,26 @@ class Scheduler:
             self._task_failed(task, record, exc)
         if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
             self._retire(slot)
+
+    def _load_replies(self, replies: list) -> None:
+        """Unpickle results (outside the lock), then hand them to their futures."""
+        outcomes = []
+        for task, body, slot, incarnation, pid in replies:
+            try:
+                outcomes.append((task, _transport.loads(body), None))
+            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
+                record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type=type(exc).__qualname__,
+                                     message=f"the result could not be unpickled in the caller: {describe(exc)}")
+                outcomes.append((task, None, (record, slot, incarnation)))
+        with self._lock:
+            for task, value, failure in outcomes:
+                if failure is None:
+                    self._task_done(task, value)
+                    continue
+                record, slot, incarnation = failure
+                if slot.incarnation == incarnation and slot.alive and slot.task is None:
+                    self._drop_reply_files(slot)  # else its kill or the shutdown removes them
+                self._task_failed(task, record)
 
     def _retire(self, slot: _Slot) -> None:
         """Recycling: end a worker after its task; the next task starts a fresh one (the initializer runs again)."""
