@@ -429,3 +429,12 @@ def test_an_exception_type_that_cannot_be_combined_is_named():
     # OSError's layout cannot be mixed with RuntimeError's: a ParallelExecutionError that names it
     assert type(error) is ParallelExecutionError and "OSError: disk on fire" in str(error)
     assert isinstance(error.exceptions[0], OSError)
+
+
+def test_a_map_task_past_the_executors_timeout_says_so():
+    from nn_handler.errors import ExecutorTimeoutError
+
+    with ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=2) as ex:
+        with pytest.raises(ExecutorTimeoutError, match="still running after the 2s timeout"):
+            list(ex.map(sleep_then, [0.0, 60.0, 0.0], [1, 2, 3]))
+        assert list(ex.map(square, range(4))) == [0, 1, 4, 9]

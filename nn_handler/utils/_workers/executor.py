@@ -410,7 +410,9 @@ class _MapResults:
                 left = None if self.end is None else self.end - time.monotonic()
                 try:
                     chunk = future.result(left)
-                except concurrent.futures.TimeoutError:
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    if future.done():
+                        raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
                     raise TimeoutError(f"map of {self.name}: results not in within its timeout") from None
                 if bar is not None:
                     bar.update(len(chunk))
