@@ -52,13 +52,13 @@ def main():
 
     with ParallelExecutor(device_ids=DEVICES, initializer=load_model, initargs=(0,)) as executor:
         batches = list(torch.randn(8, 4).split(2))
-        outputs = executor.map(predict, batches)  # each batch goes to whichever worker is free
+        outputs = list(executor.map(predict, batches))  # each batch goes to whichever worker is free
         print(f"map: {len(outputs)} batches through one model per worker, first output {outputs[0].flatten().tolist()}")
         try:
-            executor.map(fails_on_odd, range(4))
+            list(executor.map(fails_on_odd, range(4)))
         except ParallelExecutionError as exc:
             print(f"a failing task raises here, with the worker's traceback: {str(exc).splitlines()[0]}")
-        print(f"the pool is still usable: {executor.map(fails_on_odd, [0, 2])}")
+        print(f"the pool is still usable: {list(executor.map(fails_on_odd, [0, 2]))}")
     print(f"done in {time.perf_counter() - start:.2f} s")
 
 

@@ -85,7 +85,7 @@ def main():
 
     t = time.perf_counter()
     with ParallelExecutor(device_ids=DEVICES) as executor:
-        norms = executor.map(norm_of_seed, range(args.tasks))
+        norms = list(executor.map(norm_of_seed, range(args.tasks)))
         used = executor.devices
     print(f"[2] ParallelExecutor.map over {len(norms)} tasks on {', '.join(used)}: {norms}  "
           f"{time.perf_counter() - t:.2f} s")

@@ -178,14 +178,62 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
         self.failures = tuple(sorted(failures, key=lambda f: (f.died, f.rank)))
         self.exceptions = dict(exceptions or {})
         self.function = function
-        super().__init__(_render(self.failures, function))
+        # BaseException's own __init__, as RankFailedError does: see there.
+        BaseException.__init__(self, _render(self.failures, function))
         # Set here, not at the raise: an error rebuilt from its records (unpickled) gets it too.
         self.__cause__ = _remote_cause(self.failures)
 
+    original_type: type[BaseException] | None = None  # set on the classes made by create()
+
+    def __str__(self) -> str:
+        # Fixed here so that a derived class does not render through the
+        # original type's __str__ (KeyError would quote the whole text).
+        return BaseException.__str__(self)
+
     def __reduce__(self):
         # Exceptions with a custom __init__ do not unpickle by default; keep
-        # the records, drop the live exception objects.
+        # the records, drop the live exception objects. A class made by
+        # create() cannot be pickled by name: rebuild it from its original type.
+        if self.original_type is not None:
+            return (_rebuild_parallel_error,
+                    (self.failures, self.function, _type_refs(self.original_type, ParallelExecutionError)))
         return (type(self), (self.failures, {}, self.function))
+
+    @classmethod
+    def create(cls, failures, exceptions=None, function: str = "call") -> "ParallelExecutionError":
+        """Build the error, also an instance of the root failure's exception type where that is possible.
+
+        ``except ZeroDivisionError`` then catches a worker's ZeroDivisionError
+        (as with ``ProcessPoolExecutor``) and ``except ParallelExecutionError``
+        keeps working. The class is named ``ParallelExecutionError[ZeroDivisionError]``.
+
+        Example:
+            >>> failure = RankFailure(rank=0, exc_type="ZeroDivisionError", message="division by zero")
+            >>> err = ParallelExecutionError.create([failure], {0: ZeroDivisionError("division by zero")}, "f")
+            >>> isinstance(err, ZeroDivisionError), isinstance(err, ParallelExecutionError)
+            (True, True)
+        """
+        error = cls(failures, exceptions, function)
+        root = error.failures[0] if error.failures else None
+        original = error.exceptions.get(root.rank) if root is not None and not root.died else None
+        derived = _derived_class(type(original), cls) if original is not None else None
+        if derived is None:
+            return error
+        try:
+            made = derived.__new__(derived, error.failures, error.exceptions, function)
+            cls.__init__(made, error.failures, error.exceptions, function)
+            return made
+        except Exception:  # a type whose __new__ rejects our arguments
+            return error
+
+
+def _rebuild_parallel_error(failures, function, type_refs):
+    derived = _derived_class(_load_type(type_refs), ParallelExecutionError)
+    if derived is None:
+        return ParallelExecutionError(failures, {}, function)
+    made = derived.__new__(derived, failures, {}, function)
+    ParallelExecutionError.__init__(made, failures, {}, function)
+    return made
 
 
 class WorkerDiedError(ParallelExecutionError):
@@ -288,37 +336,39 @@ def _render_rank_failed(function: str, failures: tuple[RankFailure, ...]) -> str
     return "\n".join(lines)
 
 
-_DERIVED: dict[type, type] = {}
+_DERIVED: dict[tuple, type] = {}  # (base, original type) -> derived class
 
 
-def _derived_class(exc_type) -> type | None:
-    """``RankFailedError[exc_type]``, made once per type; ``None`` when it cannot or need not exist."""
-    if isinstance(exc_type, type) and issubclass(exc_type, RankFailedError):
-        exc_type = exc_type.original_type  # a RankFailedError relayed again: keep the root type
+def _derived_class(exc_type, base: type | None = None) -> type | None:
+    """``base[exc_type]`` (``RankFailedError`` by default), made once per type; ``None`` when it cannot or need
+    not exist."""
+    base = base or RankFailedError
+    if isinstance(exc_type, type) and issubclass(exc_type, base):
+        exc_type = exc_type.original_type  # an error relayed again: keep the root type
     # Only Exception subclasses: an error that is also a KeyboardInterrupt or
-    # SystemExit would escape `except Exception` on ranks that were never interrupted.
+    # SystemExit would escape `except Exception` where nothing was interrupted.
     if not isinstance(exc_type, type) or not issubclass(exc_type, Exception):
         return None
-    if issubclass(RankFailedError, exc_type):  # RuntimeError, Exception: already one
+    if issubclass(base, exc_type):  # RuntimeError, Exception: already one
         return None
-    cls = _DERIVED.get(exc_type)
+    cls = _DERIVED.get((base, exc_type))
     if cls is None:
-        name = f"RankFailedError[{exc_type.__name__}]"
+        name = f"{base.__name__}[{exc_type.__name__}]"
         try:
-            cls = types.new_class(name, (RankFailedError, exc_type), {},
+            cls = types.new_class(name, (base, exc_type), {},
                                   lambda ns: ns.update(__module__=__name__, __qualname__=name,
                                                        original_type=exc_type))
         except TypeError:  # layout conflicts, final classes, metaclass conflicts
             return None
-        cls = _DERIVED.setdefault(exc_type, cls)
+        cls = _DERIVED.setdefault((base, exc_type), cls)
     return cls
 
 
-def _type_refs(exc_type) -> tuple[bytes, ...]:
+def _type_refs(exc_type, base: type | None = None) -> tuple[bytes, ...]:
     """Pickled references to ``exc_type`` and its bases, most derived first, stopping at a base we already are."""
     refs = []
     for cls in getattr(exc_type, "__mro__", ()):
-        if issubclass(RankFailedError, cls):
+        if issubclass(base or RankFailedError, cls):
             break
         try:
             refs.append(pickle.dumps(cls))

@@ -216,7 +216,7 @@ def test_map_keeps_a_few_chunks_per_worker_in_shared_memory_whatever_the_input_s
         return x[0], len(sizes), sum(sizes)
 
     with ParallelExecutor(device_ids=CPU2) as ex:
-        out = ex.map(peak, [(i, item) for i in range(n)])
+        out = list(ex.map(peak, [(i, item) for i in range(n)]))
     assert [i for i, _, _ in out] == list(range(n))
     peak_count = max(c for _, c, _ in out)
     peak_bytes = max(b for _, _, b in out)

@@ -193,6 +193,7 @@ def parallel_predict(
     device_ids: Sequence[int | str] | None = None,
     autocast: bool | torch.dtype = False,
     num_workers: int = 0,
+    progress: bool = False,
 ):
     """Run a model over a dataset on every device at once; outputs come back in input order.
 
@@ -222,6 +223,8 @@ def parallel_predict(
             of the model. Threads, because the executor's workers cannot start
             processes; they help where loading releases the GIL (file reads,
             image decoding, tokenizers), not for pure-Python preprocessing.
+        progress: Draw a tqdm bar (tasks of a few batches each, per second,
+            and an ETA) on a terminal.
 
     Returns:
         The outputs of all batches joined along dim 0: a tensor, or a
@@ -276,7 +279,7 @@ def parallel_predict(
         per_task = 1 if num_workers == 0 else max(1, math.ceil(n_batches / (_TASKS_PER_DEVICE * executor.num_workers)))
         step = per_task * batch_size
         tasks = [(start, min(start + step, length)) for start in range(0, length, step)]
-        per_task_outputs = executor.map(functools.partial(_run_task, token), tasks)
+        per_task_outputs = list(executor.map(functools.partial(_run_task, token), tasks, progress=progress))
     return _concat([out for outputs in per_task_outputs for out in outputs])
 
 

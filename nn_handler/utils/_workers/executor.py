@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import inspect
+import itertools
 import os
+import sys
+import time
+import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, ParamSpec, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, ParamSpec, Sequence, TypeVar
 
 import cloudpickle
 
@@ -61,7 +66,27 @@ def _check_timeout(timeout: float | None) -> float | None:
     return check_number("timeout", timeout, unit="seconds", allow_none=True)
 
 
+_positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code object -> device position
+
+
 def _device_position(func, pass_device: bool) -> int | None:
+    """Where ``device`` goes in a call of ``func`` (see :func:`_find_device_position`), cached per code object:
+    inspecting a signature costs more than the rest of a warm call."""
+    if not pass_device:
+        return None
+    code = getattr(func, "__code__", None)
+    plain = isinstance(func, types.FunctionType) and not hasattr(func, "__signature__") \
+        and not hasattr(func, "__wrapped__")
+    if not plain or code is None:
+        return _find_device_position(func, pass_device)
+    try:
+        return _positions[code]
+    except KeyError:
+        position = _positions[code] = _find_device_position(func, pass_device)
+        return position
+
+
+def _find_device_position(func, pass_device: bool) -> int | None:
     """Where ``device`` goes in a call of ``func``: a positional index, or ``None`` for a keyword.
 
     The seed's style ``def f(device, data)`` called as ``f(data)`` needs the
@@ -95,15 +120,18 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
-    position = _device_position(func, pass_device)
+    return _pack(func, _device_position(func, pass_device), _name(func), encoder)
+
+
+def _pack(func, position: int | None, name: str, encoder: Encoder | None) -> PackedFunction:
     try:
         return (encoder or Encoder(None, private=True)).pack_function((func, position))
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise  # no room in shared memory nor in the temp dir: not a pickling problem
-        raise TypeError(f"function {_name(func)} cannot be pickled to send to the workers: {exc}") from exc
+        raise TypeError(f"function {name} cannot be pickled to send to the workers: {exc}") from exc
     except Exception as exc:
-        raise TypeError(f"function {_name(func)} cannot be pickled to send to the workers: {exc}") from exc
+        raise TypeError(f"function {name} cannot be pickled to send to the workers: {exc}") from exc
 
 
 def _check_picklable(args: tuple, kwargs: dict, func) -> None:
@@ -119,6 +147,28 @@ def _check_picklable(args: tuple, kwargs: dict, func) -> None:
             ) from exc
 
 
+class _Star:
+    """``map`` over several iterables: the worker calls it with one tuple of items and the device."""
+
+    def __init__(self, func, position: int | None, pass_device: bool):
+        self.func, self.position, self.pass_device = func, position, pass_device
+
+    def __call__(self, items, device=None):
+        if not self.pass_device:
+            return self.func(*items)
+        if self.position is not None:
+            return self.func(*items[:self.position], device, *items[self.position:])
+        return self.func(*items, device=device)
+
+
+def _pickle_star(func, pass_device: bool, encoder: Encoder | None = None) -> PackedFunction:
+    """As :func:`_pickle_call`, for ``map`` over several iterables: the worker calls ``func(*items)``."""
+    if not callable(func):
+        raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
+    star = _Star(func, _device_position(func, pass_device), pass_device)
+    return _pack(star, None, _name(func), encoder)
+
+
 def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
@@ -132,42 +182,59 @@ def _threads_per_worker(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- executor
-class ParallelExecutor:
-    """A warm pool with one spawned worker process per device.
+class ParallelExecutor(concurrent.futures.Executor):
+    """A warm pool with one worker process per device, and a :class:`concurrent.futures.Executor`.
 
     Workers start on ``__enter__`` (or first use) and serve every call until
-    :meth:`shutdown`. Functions and arguments travel with cloudpickle, so
-    lambdas, closures and notebook functions work; tensors in results come
-    back detached and on the CPU, large ones through shared memory. A failed
-    call raises :class:`~nn_handler.ParallelExecutionError` and the pool stays
-    usable; a dead worker raises :class:`~nn_handler.WorkerDiedError` at once
-    and is restarted on the next call.
+    :meth:`shutdown`. :meth:`submit` and :meth:`map` give tasks to whichever
+    worker is free, so ``concurrent.futures.wait``, ``as_completed`` and
+    ``asyncio`` (``loop.run_in_executor``) work as with any executor;
+    :meth:`run` runs a function once on every worker. Calls from several
+    threads share the workers. Functions and arguments travel with
+    cloudpickle, so lambdas, closures and notebook functions work; tensors in
+    results come back detached and on the CPU, large ones through shared
+    memory. A task's exception comes back as an instance of its own type and
+    of :class:`~nn_handler.ParallelExecutionError`, with the worker's
+    traceback as its ``__cause__``; the pool stays usable. A dead worker fails
+    its task with :class:`~nn_handler.WorkerDiedError` and is replaced.
 
     Args:
         num_gpus: Number of GPUs (workers); all GPUs by default. Without CUDA,
             that many CPU workers (1 by default) with a ``RuntimeWarning``.
         pass_device: Call functions with ``device=torch.device(...)``.
         device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
-        timeout: Seconds per call; a call past it raises ``TimeoutError`` and
-            its stuck workers are replaced.
+        timeout: Seconds per task once a worker has it; a task past it
+            raises ``TimeoutError`` and its stuck worker is replaced.
         initializer: Run once in each worker at start (``initializer(*initargs,
             device=...)`` when ``pass_device``), e.g. to load a model per GPU.
         initargs: Arguments for ``initializer``.
+        max_tasks_per_worker: Replace a worker after this many tasks (its
+            initializer runs again in the new one); ``None``: never.
+        worker_memory_limit: Replace a worker whose memory after a task is
+            above this many bytes (resident set on the CPU,
+            ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
 
     Example:
         >>> def double(x, device):
         ...     return x.to(device) * 2
         >>> with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:   # doctest: +SKIP
         ...     ex.run(double, torch.tensor([1, 2]))
+        ...     ex.submit(double, torch.tensor([3])).result()
+        ...     list(ex.map(double, [torch.tensor([4]), torch.tensor([5])]))
         [tensor([2, 4]), tensor([2, 4])]
+        tensor([6])
+        [tensor([8]), tensor([10])]
     """
 
     def __init__(self, num_gpus: int | None = None, pass_device: bool = True, *,
                  device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                 initializer: Callable[..., Any] | None = None, initargs: tuple = ()):
+                 initializer: Callable[..., Any] | None = None, initargs: tuple = (),
+                 max_tasks_per_worker: int | None = None, worker_memory_limit: int | None = None):
         self.devices = _worker_devices(num_gpus, device_ids)
         self.timeout = _check_timeout(timeout)
         self.pass_device = bool(pass_device)
+        check_int("max_tasks_per_worker", max_tasks_per_worker, minimum=1, allow_none=True)
+        check_int("worker_memory_limit", worker_memory_limit, minimum=1, allow_none=True)
         init_blob = None
         if initializer is not None:
             if not callable(initializer):
@@ -180,7 +247,8 @@ class ParallelExecutor:
                 _check_picklable(tuple(initargs), {}, initializer)
                 raise
         self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
-                                threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout)
+                                threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout,
+                                max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
         # Workers end with the executor even if it is dropped without shutdown(),
         # and at interpreter exit without waiting for a daemon thread's call.
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
@@ -204,19 +272,29 @@ class ParallelExecutor:
         self._pool.start()
         return self
 
-    def shutdown(self) -> None:
-        """Stop every worker; calling it again is harmless."""
-        self._pool.shutdown()
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop every worker once the tasks already submitted are done; calling it again is harmless.
+
+        Args:
+            wait: Return only once the workers are gone. ``False`` returns at
+                once; the tasks already submitted still run, then the workers end.
+            cancel_futures: Cancel the tasks that no worker has started yet.
+        """
+        if wait:
+            self._pool.shutdown(cancel=cancel_futures)
+        else:
+            self._pool.shutdown_later(cancel=cancel_futures)
 
     def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
-        """Call ``func(*args, **kwargs)`` on every worker.
+        """Call ``func(*args, **kwargs)`` once on every worker (after the tasks they are running).
 
         Returns:
             One result per worker, in device order.
 
         Raises:
             ParallelExecutionError: ``func`` raised on a worker (every failure
-                and remote traceback is in the message and ``.failures``).
+                and remote traceback is in the message and ``.failures``); also
+                an instance of the exception's own type where that can be made.
             WorkerDiedError: A worker died during the call.
             TimeoutError: The call ran past ``timeout``.
             TypeError: ``func`` or an argument cannot be pickled.
@@ -234,33 +312,143 @@ class ParallelExecutor:
         finally:
             fn_blob.release()
 
-    def map(self, func: Callable[..., R], iterable: Iterable[Any], *, chunksize: int = 1) -> list[R]:
-        """Call ``func(item)`` for every item, spread over the workers as they become free.
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[R]":
+        """Run ``fn(*args, **kwargs)`` once, on whichever worker is free; its future holds the result.
+
+        Example:
+            >>> with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:   # doctest: +SKIP
+            ...     ex.submit(pow, 2, 10).result()
+            1024
+        """
+        self._pool.check_owner()
+        fn_blob = _pickle_call(fn, self.pass_device, self._pool.functions)
+        try:
+            future = self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
+                                       _name(fn))[0]
+        except PayloadPicklingError:
+            fn_blob.release()
+            _check_picklable(args, kwargs, fn)
+            raise
+        except BaseException:
+            fn_blob.release()
+            raise
+        future.add_done_callback(lambda _: fn_blob.release())  # its large-tensor files, once it is over
+        # ``ParallelExecutor().submit(f).result()``: the executor lives as long as
+        # the future, not only as long as the caller's reference to it.
+        future._nn_handler_executor = self
+        return future
+
+    def map(self, fn: Callable[..., R], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1, progress: bool = False) -> Iterator[R]:
+        """``fn(item)`` for every item (``fn(a, b)`` over several iterables), spread over the free workers.
+
+        As :meth:`concurrent.futures.Executor.map`: the results come in input
+        order as they arrive, the first before the last item is done. The
+        input is read a few chunks ahead of the results, so a generator of a
+        million items is never held at once.
 
         Args:
-            func: Called as ``func(item, device=...)`` (``device`` when ``pass_device``).
-            iterable: The items.
+            fn: Called as ``fn(item, device=...)`` (``device`` when ``pass_device``).
+            iterables: The items.
+            timeout: Seconds from this call until every result must be in;
+                past it the iterator raises ``TimeoutError``.
             chunksize: Items sent to a worker in one message; larger chunks
                 cost less per item for small work.
+            progress: Draw a tqdm bar (items/s, ETA) on a terminal.
 
         Returns:
-            The results, in input order.
+            An iterator over the results, in input order (``list(...)`` for a list).
         """
         check_int("chunksize", chunksize, minimum=1)
+        check_number("timeout", timeout, unit="seconds", allow_none=True)
+        if not iterables:
+            raise TypeError("map() needs at least one iterable")
         self._pool.check_owner()
-        items = list(iterable)
-        chunks = [items[i:i + chunksize] for i in range(0, len(items), chunksize)]
-        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions)
+        if len(iterables) == 1:
+            fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions), iter(iterables[0])
+        else:
+            fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
+        end = None if timeout is None else time.monotonic() + timeout
+        total = _length(iterables)
+        results = _MapResults(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize, end,
+                              ahead=4 * self.num_workers)
+        results.owner = self  # as with submit: a pending map keeps its executor alive
         try:
-            return self._pool.map(fn_blob, chunks, self.timeout, _name(func))
+            results.fill()  # work starts now, and items that cannot be pickled fail here when they come first
+        except BaseException:
+            results.release()
+            raise
+        return results.iterate(_progress_bar(progress, total))
+
+
+def _length(iterables) -> int | None:
+    try:
+        return min(len(it) for it in iterables)
+    except TypeError:
+        return None
+
+
+def _progress_bar(progress: bool, total: int | None):
+    if not progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="item", desc="map", file=sys.stderr)
+
+
+class _MapResults:
+    """The futures of a map's chunks, a bounded number ahead of the one the caller waits for."""
+
+    def __init__(self, pool, fn_blob, name, task_timeout, items, chunksize, end, ahead):
+        self.pool, self.fn_blob, self.name, self.task_timeout = pool, fn_blob, name, task_timeout
+        # The function's large-tensor files go when the map is over, or dropped unread.
+        self.release = weakref.finalize(self, fn_blob.release)
+        self.fn_id = pool.new_fn_id()
+        self.items, self.chunksize, self.end, self.ahead = items, chunksize, end, ahead
+        self.futures: list = []
+        self.first = 0  # index of the first item of the next chunk to send
+        self.exhausted = False
+
+    def fill(self) -> None:
+        chunks = []
+        while not self.exhausted and len(self.futures) + len(chunks) < self.ahead:
+            chunk = list(itertools.islice(self.items, self.chunksize))
+            if chunk:
+                chunks.append(chunk)
+            else:
+                self.exhausted = True
+        if not chunks:
+            return
+        try:
+            self.futures += self.pool.submit(self.fn_id, self.fn_blob, "map", chunks, self.task_timeout, self.name)
         except PayloadPicklingError:
-            for i, item in enumerate(items):
+            for i, item in enumerate(item for chunk in chunks for item in chunk):
                 try:
                     cloudpickle.dumps(item)
                 except Exception as exc:
-                    raise TypeError(
-                        f"item {i} ({type(item).__name__}) cannot be pickled to send to the workers: {exc}"
-                    ) from exc
+                    raise TypeError(f"item {self.first + i} ({type(item).__name__}) cannot be pickled to send "
+                                    f"to the workers: {exc}") from exc
             raise
-        finally:
-            fn_blob.release()
+        self.first += sum(len(chunk) for chunk in chunks)
+
+    def iterate(self, bar) -> Iterator:
+        try:
+            while self.futures:
+                future = self.futures.pop(0)
+                self.fill()
+                left = None if self.end is None else self.end - time.monotonic()
+                try:
+                    chunk = future.result(left)
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    if future.done():
+                        raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
+                    raise TimeoutError(f"map of {self.name}: results not in within its timeout") from None
+                if bar is not None:
+                    bar.update(len(chunk))
+                yield from chunk
+        finally:  # done, failed or abandoned: the chunks not started yet are dropped
+            for future in self.futures:
+                future.cancel()
+            self.release()
+            if bar is not None:
+                bar.close()

@@ -21,17 +21,23 @@ import time
 LATE = object()  # receive: the deadline passed in the middle of a reply
 
 
-def _read_exact(fd: int, n: int, poller, deadline: float | None, process):
-    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``LATE`` past ``deadline``.
+def _poller(fd: int, events: int, process):
+    poller = select.poll()
+    poller.register(fd, events)
+    poller.register(process.sentinel, select.POLLIN)
+    return poller
 
-    ``poller`` watches ``fd`` and the worker's sentinel.
-    """
+
+def _read_exact(fd: int, n: int, deadline: float | None, process):
+    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``LATE`` past ``deadline``."""
     data = bytearray(n)
-    view, got = memoryview(data), 0
+    view, got, poller = memoryview(data), 0, None
     while got < n:
         try:
             chunk = os.readv(fd, [view[got:]])
         except BlockingIOError:
+            if poller is None:  # only now: most messages are there in full when the caller comes to read
+                poller = _poller(fd, select.POLLIN, process)
             if not process.is_alive():
                 # Dead, and nothing more to read; no EOF to wait for when a
                 # process it forked still holds its end of the pipe.
@@ -54,24 +60,18 @@ def receive(conn, process, deadline: float | None = None):
     frozen half-way through a large reply must not hold the call past its
     timeout. (A late reply's worker is then killed with the call.)
     """
-    fd = conn.fileno()
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    poller.register(process.sentinel, select.POLLIN)
-    os.set_blocking(fd, False)
+    fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
     try:
-        header = _read_exact(fd, 4, poller, deadline, process)
+        header = _read_exact(fd, 4, deadline, process)
         if header == b"\xff\xff\xff\xff":  # Connection's framing of a message over 2 GiB
-            header = _read_exact(fd, 8, poller, deadline, process)
+            header = _read_exact(fd, 8, deadline, process)
         if not isinstance(header, bytearray):
             return header
         size = struct.unpack("!Q" if len(header) == 8 else "!i", header)[0]
-        body = _read_exact(fd, size, poller, deadline, process)
+        body = _read_exact(fd, size, deadline, process)
         return pickle.loads(body) if isinstance(body, bytearray) else body
     except OSError:
         return None
-    finally:
-        os.set_blocking(fd, True)
 
 
 def send(conn, process, data: bytes, deadline: float | None) -> bool:
@@ -87,35 +87,31 @@ def send(conn, process, data: bytes, deadline: float | None) -> bool:
     """
     n = len(data)
     header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
-    fd = conn.fileno()
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    poller.register(process.sentinel, select.POLLIN)
+    # A small message goes in one write (one syscall); a large one is not copied to prepend its header.
+    parts = (header + data,) if n < 65536 else (header, data)
+    fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
+    poller = None
     waited = read_some = False  # the worker made room: it was reading this message
-    os.set_blocking(fd, False)
-    try:
-        for part in (header, data):
-            view = memoryview(part)
-            while view:
-                try:
-                    view = view[os.write(fd, view):]
-                    read_some = read_some or waited
-                    continue
-                except BlockingIOError:
-                    pass
-                except OSError:  # EPIPE, ECONNRESET: its end is closed
-                    return not read_some
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return not read_some  # the wait loop raises the timeout
-                events = poller.poll(None if left is None else max(1, int(left * 1000)))
-                if any(handle == process.sentinel for handle, _ in events):
-                    return not read_some  # died; the wait loop reports it
-                waited = True
-    finally:
-        os.set_blocking(fd, True)  # shutdown's stop message uses the blocking Connection methods
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+                read_some = read_some or waited
+                continue
+            except BlockingIOError:
+                pass
+            except OSError:  # EPIPE, ECONNRESET: its end is closed
+                return not read_some
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return not read_some  # the wait loop raises the timeout
+            poller = poller or _poller(fd, select.POLLOUT, process)
+            events = poller.poll(None if left is None else max(1, int(left * 1000)))
+            if any(handle == process.sentinel for handle, _ in events):
+                return not read_some  # died; the wait loop reports it
+            waited = True
     return not read_some
-
 
 
 def signal_kill(process) -> None:

@@ -9,7 +9,8 @@ worker holds it from an earlier call, and this call's files for its large
 tensors (see :class:`~.transport.FunctionCache`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``got`` (the task arrived,
 sent before any of it runs), ``ok``, ``err``, ``exit`` (an error, and the
-worker ends: the function raised ``SystemExit``) or ``ready``.
+worker ends: the function raised ``SystemExit``) or ``ready``; a ``"memory"``
+message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
 from __future__ import annotations
@@ -186,6 +187,9 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         call_id, kind, fn_blob, payload_blob = pickle.loads(message)
         if kind == "stop":
             return
+        if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
+            conn.send_bytes(pickle.dumps(("mem", call_id, memory_in_use(device))))
+            continue
         # Taken before anything of it runs (unpickling may run user code): a
         # worker that dies without this ack never started the task, so the
         # pool can give it to a replacement without running anything twice.
@@ -222,6 +226,22 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 return
             reply = ("err", call_id, failure)
         conn.send_bytes(pickle.dumps(reply))
+
+
+def memory_in_use(device) -> int:
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU, the resident set on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def guard_against_bootstrap() -> None:

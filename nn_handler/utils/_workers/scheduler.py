@@ -1,0 +1,505 @@
+"""Tasks and the engine thread: which worker runs what, and what each caller's future gets.
+
+:class:`Scheduler` is the half of :class:`~.pool.WorkerPool` that deals with
+tasks; the pool itself starts, stops and reaps the worker processes. Callers
+in any thread queue tasks (each with its caller's future) and hand them to
+free workers at once; one engine thread per pool waits on every worker's pipe
+and sentinel (and on a wake-up pipe), resolves futures as replies arrive,
+gives the freed worker the next task that fits it, and enforces deadlines.
+Everything that touches the slots or the queue holds the pool lock; the
+engine lets go of it while it waits.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import pickle
+import select
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ...errors import (
+    ExecutorTimeoutError,
+    ParallelExecutionError,
+    PayloadPicklingError,
+    RankFailure,
+    WorkerDiedError,
+)
+from . import pipes
+from . import transport as _transport
+from .worker import describe
+
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
+# How long a stopping worker gets to leave on its own before it is killed.
+_STOP_GRACE = 2.0
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, _POLL_IN)
+    return bool(poller.poll(0))
+
+
+@dataclass
+class _Slot:
+    index: int
+    device: str
+    process: mp.process.BaseProcess | None = None
+    conn: object = None
+    incarnation: int = 0
+    has_fn_for: int | None = None  # function id this worker already holds
+    # The twin of the worker's cache of function bodies: what need not be sent again.
+    functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
+    task: "_Task | None" = None  # the task it runs
+    unread: bool = False  # running, but the worker has read none of its message yet
+    acked: bool = False  # running, and the worker has the whole task
+    deadline: float | None = None
+    served: int = 0  # tasks since it started (max_tasks_per_worker)
+    probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None
+
+    def exited(self) -> bool:
+        """Whether its process has ended: its sentinel is readable. (``Process.is_alive()`` asks the same
+        through a selector, at ten times the cost, on every call.)"""
+        return _readable(self.process.sentinel)
+
+
+class _Call:
+    """What one caller waits for: a broadcast (one task per worker, ``run``) or a single task (``submit``,
+    one ``map`` chunk). Its future gets the result or the error."""
+
+    def __init__(self, fn_id: int, kind: str, fn_blob: _transport.PackedFunction, name: str, timeout: float | None,
+                 future: Future, broadcast: bool = False, fail_fast: bool = False, files=()):
+        self.fn_id, self.kind, self.fn_blob, self.name = fn_id, kind, fn_blob, name
+        self.timeout, self.future, self.broadcast, self.fail_fast = timeout, future, broadcast, fail_fast
+        self.files = list(files)  # shared-memory files of its arguments, removed when it ends
+        self.pending = 0
+        self.results: dict = {}
+        self.failures: list[RankFailure] = []
+        self.exceptions: dict = {}
+        self.died = self.timed_out = self.started = self.done = False
+
+
+@dataclass
+class _Task:
+    call: _Call
+    key: int  # a broadcast: the worker index; else 0
+    payload: object  # bytes, or a thunk that writes a map chunk's tensors to shared memory at dispatch
+    target: int | None  # the worker that must run it (a broadcast), or None for any
+    resent: bool = False
+
+
+class Scheduler:
+    """Queue, dispatch and outcomes of tasks; mixed into :class:`~.pool.WorkerPool`, whose slots, lock,
+    queue and process methods (``start``, ``_kill``, ``_death``, ``terminate``) it uses."""
+
+    # ----------------------------------------------------------------- calls (any thread)
+    def new_fn_id(self) -> int:
+        """An id for a function: a worker that holds it is not sent it again within one map."""
+        return next(self._fn_ids)
+
+    def run(self, fn_blob: _transport.PackedFunction, args, kwargs, timeout: float | None, name: str, fail_fast: bool = False) -> list:
+        """Call the function on every worker; results in worker order.
+
+        It waits for the tasks the workers are running, then each worker runs
+        it once. ``fail_fast``: fail at the first failure instead of waiting
+        for every worker's reply; for calls whose workers wait on each other
+        (a process group), where the others would wait for the failed one forever.
+        """
+        future = self.run_async(fn_blob, args, kwargs, timeout, name, fail_fast)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            self.terminate()  # Ctrl-C: every worker ends with the call
+            raise
+
+    def run_async(self, fn_blob: _transport.PackedFunction, args, kwargs, timeout: float | None, name: str,
+                  fail_fast: bool = False) -> Future:
+        payload, files = self._encode((args, kwargs))
+        call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True,
+                     fail_fast=fail_fast, files=files)
+        self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
+        return call.future
+
+    def submit(self, fn_id: int, fn_blob: _transport.PackedFunction, kind: str, objs: list, timeout: float | None,
+               name: str) -> list[Future]:
+        """Queue one task per object for whichever worker is free; their futures.
+
+        ``kind`` ``"run"``: each object is ``(args, kwargs)``; ``"map"``: a
+        chunk of items, whose large tensors go to shared memory only when a
+        worker is about to take it. Everything is pickled before anything is
+        queued (or a worker started).
+        """
+        calls, tasks = [], []
+        try:
+            for obj in objs:
+                call = _Call(fn_id, kind, fn_blob, name, timeout, Future())
+                calls.append(call)
+                tasks.append(_Task(call, 0, self._payload(call, kind, obj), None))
+            self._enqueue(calls, tasks)
+        except BaseException:
+            for call in calls:
+                _transport.remove_files(call.files)
+            raise
+        return [call.future for call in calls]
+
+    def _payload(self, call: _Call, kind: str, obj):
+        if kind == "run":
+            payload, call.files = self._encode(obj)
+            return payload
+        try:
+            payload = self._items.probe(obj)
+        except Exception as exc:
+            raise PayloadPicklingError(str(exc)) from exc
+        if payload is not None:
+            return payload
+
+        def write_to_shared_memory() -> bytes:
+            blob, created = self._encode(obj, self._items)
+            call.files.extend(created)
+            return blob
+
+        return write_to_shared_memory
+
+    def _encode(self, obj, encoder: _transport.Encoder | None = None) -> tuple[bytes, list[str]]:
+        try:
+            return (encoder or self._args).dumps(obj)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise  # no room in shared memory nor in the temp dir: not a pickling problem
+            raise PayloadPicklingError(str(exc)) from exc
+        except Exception as exc:
+            raise PayloadPicklingError(str(exc)) from exc
+
+    def _enqueue(self, calls: list[_Call], tasks: list[_Task]) -> None:
+        try:
+            self.start()  # replaces idle workers that died since the last call (errors raise here)
+            with self._lock:
+                self._check_open()
+                for task in tasks:
+                    task.call.pending += 1
+                self._queue.extend(tasks)
+                if self._engine is None:
+                    self._wake_r, self._wake_w = os.pipe()
+                    os.set_blocking(self._wake_r, False)
+                    os.set_blocking(self._wake_w, False)
+                    self._engine = threading.Thread(target=self._engine_main, name=f"nn_handler-engine-{self._token}",
+                                                    daemon=True)  # never holds the interpreter open
+                    self._engine.start()
+                # The caller hands its tasks to free workers itself: the engine,
+                # already waiting on every worker's pipe, wakes for the reply.
+                # It is woken only to learn of a new deadline.
+                try:
+                    self._dispatch()
+                except KeyboardInterrupt:
+                    self.terminate()  # Ctrl-C half-way through a message: the worker cannot be trusted
+                    raise
+                wake = any(task.call.timeout is not None for task in tasks)
+        except BaseException:
+            for call in calls:
+                _transport.remove_files(call.files)
+            raise
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:  # never a write to a descriptor that was closed (and maybe reused)
+            try:
+                os.write(self._wake_w, b"!")
+            except (BlockingIOError, TypeError, OSError):
+                pass  # full (it will wake anyway) or no engine yet
+
+    def _busy(self) -> bool:
+        return bool(self._queue) or any(s.task is not None for s in self._slots)
+
+    def _cancel_queued(self) -> None:
+        while self._queue:
+            task = self._queue.popleft()
+            if not task.call.done:
+                task.call.done = True
+                _transport.remove_files(task.call.files)
+                if not task.call.future.cancel():  # a broadcast already running elsewhere
+                    task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
+
+    def _close_wake_pipe(self) -> None:
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd is not None:
+                    os.close(fd)
+            self._wake_r = self._wake_w = None
+
+    # ----------------------------------------------------------------- the engine thread
+    def _engine_main(self) -> None:
+        watched, poller, generation, replies = {}, None, None, None
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or (self._closing and not self._busy()):
+                        return
+                    self._dispatch()
+                    if generation != self._generation:  # a worker started or ended: watch the current ones
+                        generation, watched = self._generation, self._watch_list()
+                        poller = select.poll()
+                        for fd in watched:
+                            poller.register(fd, _POLL_IN)
+                    timeout = self._next_deadline()
+                ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._handle({fd for fd, _ in ready}, watched)
+                    self._check_deadlines()
+                    if self._replies:
+                        self._dispatch()
+                        replies, self._replies = self._replies, []
+                if replies:
+                    self._load_replies(replies)
+                    replies = None
+        except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
+            with self._lock:
+                for slot in self._slots:
+                    if slot.task is not None:
+                        task, slot.task = slot.task, None
+                        self._finish(task.call, exc)
+                while self._queue:
+                    self._finish(self._queue.popleft().call, exc)
+                for task, *_ in (replies or []) + self._replies:
+                    self._finish(task.call, exc)
+                self._replies = []
+                if self._closed:
+                    return  # the pool was closed under it (a replacement's initializer failed): said to its callers
+            raise
+        finally:
+            with self._lock:
+                self._idle.notify_all()
+                if self._closed:
+                    self._close_wake_pipe()
+
+    def _watch_list(self) -> dict:
+        """fd -> (slot, incarnation) to poll: the wake-up pipe, and every worker's pipe and sentinel."""
+        watched: dict = {self._wake_r: None}
+        for slot in self._slots:
+            if slot.alive:
+                watched[slot.conn.fileno()] = watched[slot.process.sentinel] = (slot, slot.incarnation)
+        return watched
+
+    def _next_deadline(self) -> float | None:
+        """Seconds to the nearest deadline of a running task, or None."""
+        deadlines = [s.deadline for s in self._slots if s.task is not None and s.deadline is not None]
+        return min(deadlines) - time.monotonic() if deadlines else None
+
+    def _dispatch(self) -> None:
+        """Give every free worker the first queued task that fits it."""
+        for slot in self._slots:
+            while self._queue and slot.task is None and not slot.probing:
+                task = self._take(slot)
+                if task is None:
+                    break
+                self._begin(slot, task)
+        if not self._busy():
+            self._idle.notify_all()
+
+    def _take(self, slot: _Slot) -> _Task | None:
+        """Pop the first queued task that ``slot`` may run, skipping those of calls cancelled or failed."""
+        while True:
+            pos = next((i for i, t in enumerate(self._queue) if t.target is None or t.target == slot.index), None)
+            if pos is None:
+                return None
+            task = self._queue[pos]
+            del self._queue[pos]
+            call = task.call
+            if call.done:
+                continue  # its call failed already
+            if not call.started:
+                call.started = True
+                if not call.future.set_running_or_notify_cancel():  # cancelled while queued
+                    call.done = True
+                    _transport.remove_files(call.files)
+                    continue
+            return task
+
+    def _begin(self, slot: _Slot, task: _Task) -> None:
+        call = task.call
+        try:
+            if not slot.alive or slot.exited():
+                self._kill(slot)  # ended since it was last seen: a fresh one takes the task
+                self.start([slot])
+            payload = task.payload() if callable(task.payload) else task.payload
+        except BaseException as exc:
+            if self._closed:
+                raise
+            self._finish(call, exc)
+            return
+        slot.task, slot.acked = task, False
+        slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
+        slot.has_fn_for = call.fn_id
+        message = pickle.dumps((call.fn_id, call.kind, fn_part, payload))
+        slot.unread = pipes.send(slot.conn, slot.process, message, slot.deadline)
+        if self._memory_limit is not None:
+            slot.probing = True  # read after the result: the worker's memory once the task is done
+            pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None)), slot.deadline)
+
+    def _handle(self, ready: set, watched: dict) -> None:
+        for fd in ready:
+            if fd == self._wake_r:
+                try:
+                    while os.read(fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            slot, incarnation = watched[fd]
+            # Several messages may be waiting (the ack and the reply of a short task): read them all now.
+            while slot.incarnation == incarnation and slot.alive:  # else: replaced, or seen through its other fd
+                self._handle_slot(slot)
+                if not (slot.alive and _readable(slot.conn.fileno())):
+                    break
+
+    def _handle_slot(self, slot: _Slot) -> None:
+        reply = pipes.receive(slot.conn, slot.process, slot.deadline if slot.task is not None else None)
+        if reply is pipes.LATE:
+            return  # the deadline check fails the task
+        task = slot.task
+        if reply is None:
+            if task is None:
+                self._kill(slot)  # died while idle: the next task gets a fresh one
+            elif slot.unread and not task.resent:
+                # It ended before it read any of the task (it was dying
+                # between calls): nothing of it ran, so a replacement takes it.
+                self._kill(slot)
+                slot.task, task.resent = None, True
+                self._queue.appendleft(task)
+            else:
+                during = "the call" if slot.acked else "the transfer of the call's arguments"
+                slot.task = None
+                self._task_failed(task, self._death(slot, during=during), died=True)
+            return
+        status, _, body = reply
+        if status == "got":  # the worker has the task and starts on it
+            slot.unread, slot.acked = False, True
+            return
+        if status == "mem":
+            slot.probing = False
+            if body > self._memory_limit:
+                self._retire(slot)
+            return
+        slot.task = None
+        slot.served += 1
+        if status == "ok":
+            # Unpickled by the engine after it has given the worker its next
+            # task, and without the lock: callers queue work meanwhile.
+            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid))
+        else:
+            record, blob = body
+            exc = None
+            if blob is not None:
+                try:
+                    exc = _transport.loads(blob)
+                except (Exception, SystemExit):
+                    pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
+            if status == "exit":  # the function ended its worker (SystemExit): replace it
+                slot.process.join(_STOP_GRACE)
+                self._kill(slot)
+            self._task_failed(task, record, exc)
+        if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
+            self._retire(slot)
+
+    def _load_replies(self, replies: list) -> None:
+        """Unpickle results (outside the lock), then hand them to their futures."""
+        outcomes = []
+        for task, body, slot, incarnation, pid in replies:
+            try:
+                outcomes.append((task, _transport.loads(body), None))
+            except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
+                record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type=type(exc).__qualname__,
+                                     message=f"the result could not be unpickled in the caller: {describe(exc)}")
+                outcomes.append((task, None, (record, slot, incarnation)))
+        with self._lock:
+            for task, value, failure in outcomes:
+                if failure is None:
+                    self._task_done(task, value)
+                    continue
+                record, slot, incarnation = failure
+                if slot.incarnation == incarnation and slot.alive and slot.task is None:
+                    self._drop_reply_files(slot)  # else its kill or the shutdown removes them
+                self._task_failed(task, record)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Recycling: end a worker after its task; the next task starts a fresh one (the initializer runs again)."""
+        self._kill(slot)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for slot in self._slots:
+            task = slot.task
+            if task is not None and slot.deadline is not None and now >= slot.deadline and not task.call.done:
+                self._timeout(task.call)
+
+    def _timeout(self, call: _Call) -> None:
+        """Kill the workers still running the call's tasks (stuck: replace them rather than wait); fail it."""
+        call.failures, call.exceptions, call.timed_out = [], {}, True
+        for slot in self._slots:
+            if slot.task is not None and slot.task.call is call:
+                pid = slot.process.pid
+                what = "still running after" if slot.acked else "had not taken the call's arguments within"
+                slot.task = None
+                self._kill(slot)
+                call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
+                                                 message=f"{what} the {call.timeout:g}s timeout; worker replaced"))
+        self._finish(call)
+
+    # ----------------------------------------------------------------- outcomes (the lock is held)
+    def _task_done(self, task: _Task, value) -> None:
+        call = task.call
+        if call.done:
+            return
+        call.results[task.key] = value
+        call.pending -= 1
+        if call.pending == 0:
+            self._finish(call)
+
+    def _task_failed(self, task: _Task, record: RankFailure, exc: BaseException | None = None,
+                     died: bool = False) -> None:
+        call = task.call
+        if call.done:
+            return
+        call.failures.append(record)
+        if exc is not None:
+            call.exceptions[record.rank] = exc
+        call.died = call.died or died
+        call.pending -= 1
+        if call.broadcast and (died or call.fail_fast) and call.pending:
+            # Fail now, not when the others finish; and stop their share of
+            # this call, so that nothing of a failed call keeps running unseen.
+            for slot in self._slots:
+                if slot.task is not None and slot.task.call is call:
+                    slot.task = None
+                    self._kill(slot)
+            call.pending = 0
+        if call.pending == 0:
+            self._finish(call)
+
+    def _finish(self, call: _Call, error: BaseException | None = None) -> None:
+        if call.done:
+            return
+        call.done = True
+        _transport.remove_files(call.files)
+        if error is None and call.failures:
+            cls = ExecutorTimeoutError if call.timed_out else WorkerDiedError if call.died else ParallelExecutionError
+            error = cls.create(call.failures, call.exceptions, function=call.name)
+        if call.future.done():
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        elif call.broadcast:
+            call.future.set_result([call.results[i] for i in range(len(self._slots))])
+        else:
+            call.future.set_result(call.results[0])

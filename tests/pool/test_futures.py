@@ -1,0 +1,440 @@
+"""ParallelExecutor as a concurrent.futures.Executor.
+
+The conformance tests are written against the Executor contract and run
+against ProcessPoolExecutor (spawn, 2 workers) too, so that they test the
+contract and not our reading of it. Then what only ParallelExecutor promises:
+lazy map, many caller threads, a worker's death or timeout touching only its
+own task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+
+from helpers import pids_alive
+from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError
+
+CPU2 = ["cpu", "cpu"]
+pytestmark = pytest.mark.timeout(120)
+
+
+# Module-level: ProcessPoolExecutor pickles functions by reference.
+def square(x):
+    return x * x
+
+
+def add(a, b=0):
+    return a + b
+
+
+def divide(a, b):
+    return a / b
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def fail_on(x, bad):
+    if x == bad:
+        raise KeyError(f"item {x}")
+    return x
+
+
+def pid_of(_=None):
+    return os.getpid()
+
+
+def _make(kind):
+    if kind == "ProcessPoolExecutor":
+        return cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
+    return ParallelExecutor(device_ids=CPU2, pass_device=False)
+
+
+def _pids(executor) -> set[int]:
+    if isinstance(executor, ParallelExecutor):
+        return set(executor.run(pid_of))
+    list(executor.map(sleep_then, [0.2, 0.2], [0, 0]))  # both workers exist
+    return set(executor._processes)
+
+
+KINDS = ["ProcessPoolExecutor", "ParallelExecutor"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def executor(request):
+    """One warm executor of each kind for the tests that leave its workers as they were."""
+    ex = _make(request.param)
+    pids = _pids(ex)
+    request.config._nn_handler_session_pids = getattr(request.config, "_nn_handler_session_pids", set()) | pids
+    yield ex
+    ex.shutdown(wait=True)
+    assert not pids_alive(list(pids))
+
+
+@pytest.fixture(params=KINDS)
+def fresh(request):
+    """A new executor of each kind, for the tests that shut it down."""
+    ex = _make(request.param)
+    yield ex
+    ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------- the Executor contract
+def test_is_an_executor(executor):
+    assert isinstance(executor, cf.Executor)
+
+
+def test_submit_returns_a_future_with_the_result(executor):
+    future = executor.submit(add, 2, b=3)
+    assert isinstance(future, cf.Future)
+    assert future.result(timeout=60) == 5
+    assert future.done() and not future.cancelled() and future.exception() is None
+
+
+def test_exception_reaches_the_future_as_its_own_type(executor):
+    future = executor.submit(divide, 1, 0)
+    with pytest.raises(ZeroDivisionError):
+        future.result(timeout=60)
+    assert isinstance(future.exception(), ZeroDivisionError)
+    assert executor.submit(divide, 6, 3).result(timeout=60) == 2  # still usable
+
+
+def test_map_yields_in_input_order(executor):
+    results = executor.map(sleep_then, [0.3, 0.0, 0.1, 0.0], ["a", "b", "c", "d"])
+    assert not isinstance(results, list)
+    assert list(results) == ["a", "b", "c", "d"]
+    assert list(executor.map(square, range(20), chunksize=3)) == [x * x for x in range(20)]
+    assert list(executor.map(square, [])) == []
+
+
+def test_map_stops_at_the_shortest_iterable(executor):
+    assert list(executor.map(add, [1, 2, 3], [10, 20])) == [11, 22]
+
+
+def test_map_raises_at_the_failing_item(executor):
+    results = executor.map(fail_on, range(6), [3] * 6)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(KeyError, match="item 3"):
+        next(results)
+
+
+def test_map_timeout(executor):
+    begin = time.monotonic()
+    results = executor.map(sleep_then, [0.0, 1.5], [1, 2], timeout=0.5)
+    with pytest.raises(TimeoutError):
+        list(results)
+    assert executor.submit(square, 3).result(timeout=60) == 9
+    time.sleep(max(0.0, begin + 2.0 - time.monotonic()))  # the late task ends before the next test
+
+
+def test_wait_and_as_completed(executor):
+    slow = executor.submit(sleep_then, 1.5, "slow")
+    fast = executor.submit(sleep_then, 0.0, "fast")
+    done, not_done = cf.wait([slow, fast], timeout=60, return_when=cf.FIRST_COMPLETED)
+    assert fast in done
+    assert [f.result() for f in cf.as_completed([slow, fast], timeout=60)][-1] == "slow" or slow in done
+    done, not_done = cf.wait([slow, fast], timeout=60)
+    assert done == {slow, fast} and not not_done
+
+
+def test_add_done_callback(executor):
+    seen = threading.Event()
+    got = []
+
+    def callback(future):
+        got.append(future.result())
+        seen.set()
+
+    future = executor.submit(square, 7)
+    future.add_done_callback(callback)
+    assert seen.wait(60) and got == [49]
+    future.add_done_callback(lambda f: got.append("again"))  # on a done future: called at once
+    assert got == [49, "again"]
+
+
+def test_cancel_a_queued_task(executor):
+    blockers = [executor.submit(sleep_then, 1.0, i) for i in range(2)]
+    queued = [executor.submit(square, i) for i in range(8)]
+    assert queued[-1].cancel()
+    assert queued[-1].cancelled()
+    with pytest.raises(cf.CancelledError):
+        queued[-1].result()
+    assert [f.result(timeout=60) for f in blockers + queued[:-1]] == [0, 1] + [i * i for i in range(7)]
+    assert not blockers[0].cancel()  # done: too late to cancel
+
+
+def test_asyncio(executor):
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = await loop.run_in_executor(executor, square, 4)
+        b = await asyncio.wrap_future(executor.submit(add, 1, 2))
+        c = await asyncio.gather(*(loop.run_in_executor(executor, square, i) for i in range(5)))
+        return a, b, c
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == (16, 3, [0, 1, 4, 9, 16])
+
+
+def test_shutdown_waits_for_pending_futures(fresh):
+    futures = [fresh.submit(sleep_then, 0.2, i) for i in range(5)]
+    fresh.shutdown(wait=True)
+    assert [f.result(timeout=0) for f in futures] == list(range(5))
+    with pytest.raises(RuntimeError):
+        fresh.submit(square, 1)
+
+
+def test_shutdown_cancel_futures(fresh):
+    blockers = [fresh.submit(sleep_then, 1.0, i) for i in range(2)]
+    time.sleep(0.3)  # the workers (started on demand) hold the blockers
+    queued = [fresh.submit(square, i) for i in range(10)]
+    fresh.shutdown(wait=True, cancel_futures=True)
+    assert queued[-1].cancelled()
+    assert all(f.done() for f in blockers + queued)
+    assert [f.result() for f in blockers] == [0, 1]
+
+
+def test_shutdown_without_waiting(fresh):
+    futures = [fresh.submit(sleep_then, 0.2, i) for i in range(3)]
+    fresh.shutdown(wait=False)
+    with pytest.raises(RuntimeError):
+        fresh.submit(square, 1)
+    assert [f.result(timeout=60) for f in futures] == [0, 1, 2]  # what was submitted still runs
+
+
+def test_context_manager(fresh):
+    with fresh as ex:
+        assert ex is fresh
+        assert ex.submit(square, 5).result(timeout=60) == 25
+    with pytest.raises(RuntimeError):
+        fresh.submit(square, 1)
+
+
+# ----------------------------------------------------------------------------- what ParallelExecutor adds
+@pytest.fixture(scope="module")
+def ours(request):
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=60).start()
+    pids = set(ex.run(pid_of))
+    request.config._nn_handler_session_pids = getattr(request.config, "_nn_handler_session_pids", set()) | pids
+    yield ex
+    ex.shutdown()
+    assert not pids_alive(list(pids))
+
+
+def test_map_reads_its_input_lazily(ours):
+    consumed = []
+
+    def numbers():
+        for i in range(1_000_000):
+            consumed.append(i)
+            yield i
+
+    results = ours.map(square, numbers(), chunksize=4)
+    assert [next(results) for _ in range(10)] == [i * i for i in range(10)]
+    assert len(consumed) < 200  # a few chunks ahead of the results, not the million
+    results.close()  # abandoned: the chunks not started are cancelled
+    assert ours.submit(square, 3).result(timeout=60) == 9
+
+
+def test_map_first_result_before_the_last_item_is_done(ours):
+    results = ours.map(sleep_then, [0.0, 0.0, 0.0, 30.0], [1, 2, 3, 4], timeout=60)
+    begin = time.monotonic()
+    assert next(results) == 1
+    assert time.monotonic() - begin < 25  # did not wait for the 30 s item
+    results.close()
+
+
+def test_map_progress_is_off_without_a_terminal(ours, capsys):
+    assert list(ours.map(square, range(5), progress=True)) == [0, 1, 4, 9, 16]
+    assert "it/s" not in capsys.readouterr().err and "item/s" not in capsys.readouterr().err
+
+
+def test_map_progress_bar_on_a_terminal(ours, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert list(ours.map(square, range(50), chunksize=5, progress=True)) == [x * x for x in range(50)]
+    out = stream.getvalue()
+    assert "50/50" in out and "item/s" in out
+
+
+def test_run_raises_an_error_of_the_original_type(ours):
+    with pytest.raises(ZeroDivisionError) as info:
+        ours.run(divide, 1, 0)
+    assert isinstance(info.value, ParallelExecutionError)
+    assert "ZeroDivisionError" in str(info.value) and "division by zero" in str(info.value.__cause__)
+
+
+def _mixed_call(ex, thread, i):
+    """One of five kinds of call; returns (what was expected, what came back)."""
+    x = thread * 1000 + i
+    kind = i % 5
+    if kind == 0:
+        return [x + 1, x + 1], ex.run(add, x, 1)
+    if kind == 1:
+        return x * x, ex.submit(square, x).result(timeout=60)
+    if kind == 2:
+        return [x + j for j in range(7)], list(ex.map(add, [x] * 7, range(7), chunksize=2))
+    if kind == 3:
+        try:
+            ex.submit(fail_on, x, x).result(timeout=60)
+        except KeyError as exc:  # its own error, not another caller's
+            return f"'item {x}'", str(exc).splitlines()[0].rsplit("KeyError: ", 1)[-1]
+        return f"'item {x}'", "no error"
+    try:  # a map whose 3rd item fails: the first two come back, then the error
+        got = []
+        for value in ex.map(fail_on, range(x, x + 5), [x + 2] * 5):
+            got.append(value)
+    except KeyError:
+        got.append("KeyError")
+    return [x, x + 1, "KeyError"], got
+
+
+@pytest.mark.timeout(300)
+def test_many_threads_share_the_workers_and_keep_their_results(ours):
+    """8 threads x 50 mixed calls (run, submit, map, failing submit, failing map): every result checked."""
+    problems, lock = [], threading.Lock()
+
+    def caller(thread):
+        for i in range(50):
+            try:
+                expected, got = _mixed_call(ours, thread, i)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                expected, got = "no exception", repr(exc)
+            if expected != got:
+                with lock:
+                    problems.append((thread, i, expected, got))
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    assert not problems, problems[:5]
+
+
+def _die(_=None):
+    os._exit(7)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_fails_only_its_task_and_queued_tasks_go_on():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        before = ex.submit(sleep_then, 0.5, "before")
+        doomed = ex.submit(_die)
+        queued = [ex.submit(square, i) for i in range(20)]
+        with pytest.raises(WorkerDiedError, match="exit code 7"):
+            doomed.result(timeout=60)
+        assert before.result(timeout=60) == "before"
+        assert [f.result(timeout=60) for f in queued] == [i * i for i in range(20)]
+        assert len(ex.run(pid_of)) == 2  # replaced
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_in_one_callers_task_leaves_the_others_alone():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=3) as ex:
+        stuck = ex.submit(sleep_then, 60, "never")
+        others = []
+
+        def other_caller():
+            others.extend(ex.submit(add, i, 1).result(timeout=60) for i in range(30))
+
+        thread = threading.Thread(target=other_caller)
+        thread.start()
+        with pytest.raises(TimeoutError, match="3s timeout"):
+            stuck.result(timeout=60)
+        thread.join(60)
+        assert others == [i + 1 for i in range(30)]
+        assert ex.run(square, 4) == [16, 16]  # the stuck worker was replaced
+
+
+def test_submit_passes_the_device():
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        assert str(ex.submit(lambda x, device: (x, device), 1).result(timeout=60)[1]) == "cpu"
+        assert [str(d) for d in ex.map(lambda device, x: device, [1, 2])] == ["cpu", "cpu"]  # seed style
+
+
+def test_submit_bad_input_fails_at_the_call():
+    ex = ParallelExecutor(device_ids=CPU2)
+    with pytest.raises(TypeError, match=r"positional argument 0 of .* \(lock\) cannot be pickled"):
+        ex.submit(lambda a, device: a, threading.Lock())
+    with pytest.raises(TypeError, match="expected a callable"):
+        ex.submit(42)
+    assert all(s.process is None for s in ex._pool._slots)
+    ex.shutdown()
+
+
+def test_parallel_predict_draws_its_progress_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    import torch
+
+    from nn_handler.utils.parallel import parallel_predict
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(20, 3)
+    out = parallel_predict(model, x, batch_size=4, device_ids=CPU2, progress=True)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    assert "item/s" in stream.getvalue()
+
+
+def test_many_cancelled_tasks_are_skipped():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        blocker = ex.submit(sleep_then, 1.0, "blocker")
+        cancelled = [ex.submit(square, i) for i in range(3000)]
+        last = ex.submit(square, 12)
+        assert all(f.cancel() for f in cancelled)
+        assert blocker.result(timeout=60) == "blocker" and last.result(timeout=60) == 144
+
+
+def test_a_run_that_failed_early_leaves_no_task_behind_a_busy_worker():
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        busy = ex.submit(sleep_then, 1.5, "busy")  # worker 0: the run's share there waits in the queue
+        time.sleep(0.3)
+        with pytest.raises(WorkerDiedError, match="exit code 7"):
+            ex.run(_die)  # worker 1 dies: the run fails now, its queued share is dropped
+        assert busy.result(timeout=60) == "busy"
+        assert [ex.submit(square, i).result(timeout=60) for i in range(4)] == [0, 1, 4, 9]
+        assert len(ex.run(pid_of)) == 2
+
+
+def _raise_os_error(_=None):
+    raise OSError("disk on fire")
+
+
+def test_an_exception_type_that_cannot_be_combined_is_named():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        error = ex.submit(_raise_os_error).exception(timeout=60)
+    # OSError's layout cannot be mixed with RuntimeError's: a ParallelExecutionError that names it
+    assert type(error) is ParallelExecutionError and "OSError: disk on fire" in str(error)
+    assert isinstance(error.exceptions[0], OSError)
+
+
+def test_a_map_task_past_the_executors_timeout_says_so():
+    from nn_handler.errors import ExecutorTimeoutError
+
+    with ParallelExecutor(device_ids=CPU2, pass_device=False, timeout=2) as ex:
+        with pytest.raises(ExecutorTimeoutError, match="still running after the 2s timeout"):
+            list(ex.map(sleep_then, [0.0, 60.0, 0.0], [1, 2, 3]))
+        assert list(ex.map(square, range(4))) == [0, 1, 4, 9]

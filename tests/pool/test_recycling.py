@@ -1,0 +1,81 @@
+"""Worker recycling for long-lived pools: max_tasks_per_worker and worker_memory_limit (on CPU workers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import pids_alive
+from nn_handler import ParallelExecutor, worker_state
+from nn_handler.errors import ConfigurationError
+from nn_handler.utils._workers.worker import memory_in_use
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _init(log):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    worker_state()["calls"] = 0
+
+
+def _count(_=None):
+    worker_state()["calls"] = worker_state().get("calls", 0) + 1
+    return os.getpid(), worker_state()["calls"]
+
+
+def _hold(megabytes):
+    import torch
+
+    worker_state().setdefault("held", []).append(torch.ones(megabytes << 18))  # touched: resident
+    return os.getpid()
+
+
+def _memory(_=None):
+    import torch
+
+    return memory_in_use(torch.device("cpu"))
+
+
+def test_max_tasks_per_worker_replaces_the_worker_and_reruns_the_initializer(tmp_path):
+    log = tmp_path / "init.log"
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, max_tasks_per_worker=2,
+                          initializer=_init, initargs=(str(log),)) as ex:
+        results = [ex.submit(_count).result(timeout=60) for _ in range(6)]
+        pids = [pid for pid, _ in results]
+        assert [calls for _, calls in results] == [1, 2, 1, 2, 1, 2]  # worker_state() fresh in each
+        assert len(set(pids)) == 3 and pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+        assert log.read_text().split() == [str(p) for p in dict.fromkeys(pids)]  # the initializer ran in each
+        assert not pids_alive(pids[:4])  # the retired workers are gone
+        assert [calls for _, calls in ex.map(_count, range(4))] == [1, 2, 1, 2]  # map tasks count too
+
+
+def test_max_tasks_per_worker_counts_run_calls():
+    with ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False, max_tasks_per_worker=1) as ex:
+        first, second = ex.run(_count), ex.run(_count)
+        assert [c for _, c in first] == [1, 1] == [c for _, c in second]
+        assert not {p for p, _ in first} & {p for p, _ in second}
+
+
+def test_worker_memory_limit_replaces_a_worker_that_grew():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    limit = baseline + (128 << 20)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=limit) as ex:
+        small = [ex.submit(_hold, 1).result(timeout=60) for _ in range(3)]
+        assert len(set(small)) == 1  # under the limit: the same worker
+        grown = ex.submit(_hold, 256).result(timeout=60)  # keeps 256 MiB: above the limit after the task
+        assert grown == small[0]
+        after = ex.submit(_count).result(timeout=60)
+        assert after[0] != grown and after[1] == 1 and not pids_alive([grown])
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"max_tasks_per_worker": 0}, "max_tasks_per_worker must be an int >= 1 or None, got 0"),
+    ({"worker_memory_limit": -5}, "worker_memory_limit must be an int >= 1 or None, got -5"),
+    ({"worker_memory_limit": 1.5}, "worker_memory_limit must be an int >= 1 or None, got 1.5"),
+])
+def test_bad_recycling_settings(kwargs, text):
+    with pytest.raises(ConfigurationError, match=text):
+        ParallelExecutor(device_ids=["cpu"], **kwargs)
