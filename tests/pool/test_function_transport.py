@@ -89,7 +89,7 @@ def test_large_tensors_in_closures_and_defaults_travel_through_shared_memory(ex,
     weight_sum = float(model.weight.detach().sum())
     assert ex.run(captured_module) == [(True, True, pytest.approx(weight_sum, rel=1e-5))] * 2
     assert max(_sizes(sent)) < SMALL_MESSAGE
-    assert ex.map(lambda x, device: x + float(big[1]), range(4)) == [1.0, 2.0, 3.0, 4.0]
+    assert list(ex.map(lambda x, device: x + float(big[1]), range(4))) == [1.0, 2.0, 3.0, 4.0]
     assert max(_sizes(sent)) < SMALL_MESSAGE
     assert _files() == []  # every file of those calls is gone
 
@@ -108,7 +108,7 @@ def test_each_call_sees_the_tensors_as_they_are_when_it_is_made(ex):
         assert ex.run(read_then_scribble) == [(i, -i)] * 2
     assert float(big[1]) == 0 and float(small[1]) == 0
     big[0] = 7
-    assert ex.map(lambda x, device: float(big[0]) + x, range(6)) == [7.0 + x for x in range(6)]
+    assert list(ex.map(lambda x, device: float(big[0]) + x, range(6))) == [7.0 + x for x in range(6)]
     big = torch.full((BIG,), 5.0)  # rebinding the closure's variable: the new tensor travels
     assert ex.run(read_then_scribble) == [(5.0, -2.0)] * 2
     assert _files() == []
@@ -146,7 +146,7 @@ def test_a_function_sent_once_is_not_sent_again(ex, sent):
     for _ in range(3):
         assert ex.run(f, 2) == [STATE + 2] * 2
         assert max(_sizes(sent)) < SMALL_MESSAGE  # and now only its digest
-    assert ex.map(f, range(8), chunksize=2) == [STATE + x for x in range(8)]
+    assert list(ex.map(f, range(8), chunksize=2)) == [STATE + x for x in range(8)]
     assert max(_sizes(sent)) < SMALL_MESSAGE
 
 
@@ -262,7 +262,7 @@ def test_closure_files_are_removed_after_a_failure_a_death_a_timeout_and_shutdow
             ex.run(hang)
         assert _files() == []
         with pytest.raises(WorkerDiedError):
-            ex.map(lambda x, device: die(device), range(4))
+            list(ex.map(lambda x, device: die(device), range(4)))
         assert _files() == []
         assert ex.run(lambda device: float(big.sum())) == [float(BIG)] * 2
     assert _files() == []
