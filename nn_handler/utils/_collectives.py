@@ -129,7 +129,8 @@ def side_group() -> SideGroup | None:
         # The user's timeout for the default group is the bound they chose
         # for "a rank waits on the others".
         timeout = group_timeout(world)
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        with watching("new_group (nn_handler's side group)"):
+            group = dist.new_group(backend="gloo", timeout=timeout)
         buffer = bytearray(_STATUS.size)
         side = SideGroup(weakref.ref(world), group, dist.get_rank(), dist.get_world_size(), timeout, buffer,
                          torch.frombuffer(buffer, dtype=torch.int64))

@@ -131,12 +131,17 @@ def _torch_collective(frames) -> str | None:
     return None
 
 
-def _failed_collective(exc: BaseException) -> str:
+def _tb_frames(exc: BaseException) -> list:
+    """The frames of ``exc``'s traceback, innermost first."""
     tb, frames = exc.__traceback__, []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    return _torch_collective(frames[::-1]) or "a torch.distributed collective"
+    return frames[::-1]
+
+
+def _failed_collective(exc: BaseException) -> str:
+    return _torch_collective(_tb_frames(exc)) or "a torch.distributed collective"
 
 
 def _process_gone(pid: int) -> bool:
@@ -163,6 +168,8 @@ class Watchdog:
         self._busy = False  # a report is being made
         self._peer_lost: str | None = None  # the collective that failed because a peer went away
         self._beat = 0
+        self._own_stack: str | None = None
+        self._own_where: str | None = None
         self._seen: tuple[str, float] = ("", time.monotonic())  # (where, since) of the last observation
         self._wake = threading.Event()
         self._stop = False
@@ -205,7 +212,7 @@ class Watchdog:
         collective, since = now.collective, now.since
         if collective is None and now.auto:
             collective = _torch_collective(frames)
-        where = _where(_user_frame(frames))
+        where = self._own_where or _where(_user_frame(frames))
         key = f"{collective}@{where}"
         if collective is None or now.collective is None:  # since: when it was first seen there
             since = self._seen[1] if self._seen[0] == key else time.monotonic()
@@ -276,6 +283,8 @@ class Watchdog:
         return before is not None and before["beat"] == after["beat"]  # no heartbeat for STACKS_WAIT_S
 
     def _stack(self) -> str:
+        if self._own_stack:  # the watched thread left the collective with an error: where it failed
+            return self._own_stack
         frames = _frames(sys._current_frames().get(self.now.thread))[::-1]  # outermost first
         if not frames:
             return "(no stack: the thread ended)\n"
@@ -324,10 +333,22 @@ class Watchdog:
         if self.error is None:
             if not self._busy and not _is_peer_failure(exc):
                 return
-            if not self._busy:
-                self._peer_lost = collective
-                self._wake.set()
-            self.reported.wait(STACKS_WAIT_S + 2 * BEAT_S + 2)
+            # For the report, this thread is still where the collective failed.
+            now = self.now
+            previous = now.collective, now.since
+            self._own_stack = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+            self._own_where = _where(_user_frame(_tb_frames(exc)))
+            if now.collective is None:
+                now.collective, now.since = collective, self._seen[1]
+            try:
+                if not self._busy:
+                    self._peer_lost = collective
+                    self._wake.set()
+                self.reported.wait(STACKS_WAIT_S + 2 * BEAT_S + 2)
+            finally:
+                (now.collective, now.since), self._own_stack, self._own_where = previous, None, None
+            if self.error is not None and self.error.dead:  # the error from gloo does not travel as a __cause__
+                self.error.args = (f"{self.error}; the collective failed with: {str(exc).splitlines()[0]}",)
         if self.error is not None:
             self.delivered = True
             raise self.error from exc
@@ -345,8 +366,12 @@ def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
         return f"  rank {r}: no heartbeat ever (it never started its watchdog)" + ("  <- DEAD" if r in dead else "")
     doing = f"in {b['collective']}" if b["collective"] else "running its own code"
     step = f", step {b['step']}" if b.get("step") is not None else ""
-    tag = "  <- DEAD (no heartbeat, process gone)" if r in dead else "  <- MISSING" if r in missing else ""
-    return f"  rank {r} (host {b['host']}, pid {b['pid']}{step}): {doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
+    head = f"  rank {r} (host {b['host']}, pid {b['pid']}{step}): "
+    if r in dead:
+        return (head + f"DEAD: no heartbeat for {time.time() - b['time']:.1f} s, process gone; last seen "
+                f"{doing} at {b['where']}")
+    tag = "  <- MISSING" if r in missing else ""
+    return head + f"{doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
 
 
 def render_report(rank, collective, beats, stacks, dead, missing, timeout) -> str:
