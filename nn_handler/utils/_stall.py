@@ -336,8 +336,10 @@ class Watchdog:
             # For the report, this thread is still where the collective failed.
             now = self.now
             previous = now.collective, now.since
-            self._own_stack = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
-            self._own_where = _where(_user_frame(_tb_frames(exc)))
+            summary = traceback.extract_tb(exc.__traceback__)
+            self._own_stack = "".join(traceback.format_list(summary))
+            mine = [f for f in reversed(summary) if not os.path.abspath(f.filename).startswith(_OWN_DIRS)]
+            self._own_where = f"{mine[0].filename}:{mine[0].lineno} ({mine[0].name})" if mine else None
             if now.collective is None:
                 now.collective, now.since = collective, self._seen[1]
             try:
@@ -396,7 +398,8 @@ def _headline(rank, collective, beats, dead, missing, path) -> str:
         where = (f" is at {b['where']}" + (f" in {b['collective']}" if b["collective"] else "")) if b else \
             " never sent a heartbeat"
         parts.append(f"rank {r}{where}")
-    waiting = [r for r, b in sorted(beats.items()) if b is not None and b["collective"] == collective]
+    waiting = [r for r, b in sorted(beats.items())
+               if b is not None and r not in dead and b["collective"] == collective]
     return (f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
             + f" (report of rank {rank}: {path})")
 
