@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._tree import to_device
 from ..errors import ConfigurationError, NonFiniteLossError
-from ..utils._stall import note_step, watch_collectives
+from ..utils._stall import note_step, watch_collectives, watching
 from ..utils.ddp_decorators import any_rank
 from . import data as D
 from . import metrics as M
@@ -204,7 +204,8 @@ class Loop:
                         outputs, loss = step.forward(inputs, targets)
                         if check_each_step and not torch.isfinite(loss):
                             raise NonFiniteLossError(epoch, i, float(loss.detach()))
-                        step.backward(loss)
+                        with watching("backward (DDP's gradient all_reduce)"):
+                            step.backward(loss)
                     if boundary:
                         step.optimizer_step()
                         state.global_step += 1

@@ -413,7 +413,7 @@ def _write_torchelastic_error_file(error: CollectiveStallError, report: str) -> 
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": f"CollectiveStallError: {error}\n{report}",
-                                   "extraInfo": {"py_callstack": report, "timestamp": str(int(time.time()))}}}, f)
+                                   "extraInfo": {"py_callstack": f"CollectiveStallError: {error}\n{report}", "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
 
