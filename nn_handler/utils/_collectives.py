@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
 from ._env import LaunchEnv, detect_launch_env
-from ._stall import watching
+from ._stall import watching, working_on
 from .ddp import is_distributed, on_cleanup
 
 __all__ = ["any_rank", "all_ranks"]
@@ -329,7 +329,8 @@ def run_on_ranks(side: SideGroup, fn: Callable[[], R], *, what: str, ranks: Sequ
     if side.rank in ranks:
         token = restricted.set(True)
         try:
-            result = fn()
+            with working_on(what):  # the others wait for it in the status exchange: no stall
+                result = fn()
             if broadcast and side.rank == source:
                 payload = _pickled_result(result, what)
         except BaseException as exc:  # KeyboardInterrupt too: the others must not wait for it

@@ -236,7 +236,7 @@ def main_process_first() -> Iterator[None]:
     guard = (no_collectives("a main_process_first block", "one side (rank 0, then the others)") if debug_enabled()
              else contextlib.nullcontext())
     try:
-        with guard:
+        with guard, coll.working_on(name):
             yield
     except BaseException as exc:
         coll.restricted.reset(token)

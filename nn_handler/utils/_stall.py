@@ -90,7 +90,7 @@ def resolve_stall_timeout(value="env", environ: Mapping[str, str] | None = None)
 class _Now:
     """What the watched thread is doing: written by it (cheap attribute sets), read by the watchdog."""
 
-    __slots__ = ("collective", "since", "auto", "thread", "step")
+    __slots__ = ("collective", "since", "auto", "thread", "step", "task")
 
     def __init__(self) -> None:
         self.collective: str | None = None  # the collective nn_handler named, while in it
@@ -98,6 +98,7 @@ class _Now:
         self.auto = 0  # depth of watch_collectives(): the watchdog then reads the stack
         self.thread = threading.get_ident()
         self.step: int | None = None
+        self.task: str | None = None  # the rank-restricted work it runs (an on_rank function), which peers await
 
 
 def _frames(frame) -> list:
@@ -178,9 +179,11 @@ class Watchdog:
     # --- the watchdog thread -------------------------------------------------
 
     def start(self) -> None:
+        # One handler for the process's life, delegating to the current
+        # watchdog; installed only where nobody else uses the signal.
         if (_INTERRUPT is not None and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(_INTERRUPT) in (signal.SIG_DFL, None)):
-            signal.signal(_INTERRUPT, self._on_interrupt)
+            signal.signal(_INTERRUPT, _on_interrupt)
         self._thread.start()
 
     def stop(self) -> None:
@@ -188,9 +191,6 @@ class Watchdog:
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5)
-        if _INTERRUPT is not None and threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(_INTERRUPT) == self._on_interrupt:
-            signal.signal(_INTERRUPT, signal.SIG_DFL)
 
     def _run(self) -> None:
         while not self._stop:
@@ -219,6 +219,7 @@ class Watchdog:
         self._seen = (key, since)
         self._beat += 1
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": now.step, "collective": collective,
+                "task": now.task,
                 "where": where, "for_s": round(time.monotonic() - since, 1), "beat": self._beat,
                 "time": time.time()}
 
@@ -233,7 +234,7 @@ class Watchdog:
             self._report(json.loads(self.store.get("request"))["collective"], me)
         elif me["collective"] and me["for_s"] > self.timeout:
             beats = self._beats()
-            if any(b is None or b["collective"] != me["collective"] for b in beats.values()):
+            if any(_elsewhere(b, me["collective"]) for b in beats.values()):
                 if self.store.add("requests", 1) == 1:
                     self.store.set("request", json.dumps({"by": self.rank, "collective": me["collective"]}))
                 self._report(me["collective"], me)
@@ -260,7 +261,7 @@ class Watchdog:
         beats = self._beats()
         beats[self.rank] = me
         dead = [r for r in range(self.world_size) if r not in stacks and self._is_dead(first.get(r), beats.get(r))]
-        missing = [r for r, b in beats.items() if r not in dead and (b is None or b["collective"] != collective)]
+        missing = [r for r, b in beats.items() if r not in dead and _elsewhere(b, collective)]
         if peer_lost and not dead:  # an ordinary error (or a peer that exited cleanly): not ours to explain
             self._busy, self._peer_lost = False, None
             self.reported.set()
@@ -307,7 +308,7 @@ class Watchdog:
     def _interrupt(self) -> None:
         """Make the watched thread raise the error; exit the process when it cannot be reached."""
         blocked = self.now.collective is not None or (self.now.auto and self._seen[0].split("@")[0] != "None")
-        if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) == self._on_interrupt \
+        if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) is _on_interrupt \
                 and self.now.thread == threading.main_thread().ident:
             signal.pthread_kill(self.now.thread, _INTERRUPT)
         # A rank blocked in the collective wakes when a peer leaves; a peer
@@ -322,11 +323,6 @@ class Watchdog:
             os._exit(1)
 
     # --- the watched thread ----------------------------------------------------
-
-    def _on_interrupt(self, signum, frame) -> None:
-        if self.error is not None and not self.delivered:
-            self.delivered = True
-            raise self.error
 
     def explain(self, exc: BaseException, collective: str) -> None:
         """In the watched thread, when a watched collective raised: raise the stall error it stands for."""
@@ -354,6 +350,27 @@ class Watchdog:
         if self.error is not None:
             self.delivered = True
             raise self.error from exc
+
+
+def _elsewhere(beat: dict | None, collective: str) -> bool:
+    """Whether a rank is not where ``collective`` needs it.
+
+    A rank that runs the on_rank function (or main_process_first block) whose
+    status exchange the others wait in is where it should be: saving a large
+    checkpoint may take minutes, and the others wait for it by design.
+    """
+    if beat is None:
+        return True
+    return beat["collective"] != collective and not (
+        beat.get("task") is not None and collective == f"status exchange of {beat['task']}")
+
+
+def _on_interrupt(signum, frame) -> None:
+    # Runs in the main thread, between two bytecodes or out of a sleep or a lock wait.
+    dog = _dog
+    if dog is not None and dog.error is not None and not dog.delivered:
+        dog.delivered = True
+        raise dog.error
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -460,6 +477,20 @@ def note_step(step: int) -> None:
     dog = _dog
     if dog is not None:
         dog.now.step = step
+
+
+@contextlib.contextmanager
+def working_on(task: str) -> Iterator[None]:
+    """Mark the calling thread as running ``task``, rank-restricted work that the other ranks wait for."""
+    dog = _dog
+    if dog is None:
+        yield
+        return
+    previous, dog.now.task = dog.now.task, task
+    try:
+        yield
+    finally:
+        dog.now.task = previous
 
 
 @contextlib.contextmanager
