@@ -231,7 +231,7 @@ class NNHandler:
             initialize_ddp()
             self._owns_group = True
         if checkpoint_dir is not None and stall_watchdog() is not None:
-            stall_watchdog().report_dir = os.fspath(checkpoint_dir)  # stall reports next to the checkpoints
+            stall_watchdog().report_next_to(checkpoint_dir)  # stall reports beside the checkpoints
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)

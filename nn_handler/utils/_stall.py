@@ -112,10 +112,15 @@ def _frames(frame) -> list:
 def _user_frame(frames):
     """The innermost frame of the user's code (not torch, not nn_handler); else the innermost one."""
     for f in frames:
-        name = os.path.abspath(f.f_code.co_filename)
-        if not name.startswith(_OWN_DIRS) and not name.startswith("<frozen"):
+        if _is_users(f.f_code.co_filename):
             return f
     return frames[0] if frames else None
+
+
+def _is_users(filename: str) -> bool:
+    # Not torch, not nn_handler, not the stdlib's waiting and context machinery, not import internals.
+    return not (filename.startswith("<") or os.path.abspath(filename).startswith(_OWN_DIRS)
+                or os.path.basename(filename) in ("threading.py", "contextlib.py"))
 
 
 def _where(frame) -> str:
@@ -160,7 +165,8 @@ class Watchdog:
 
     def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
-        self.report_dir = report_dir  # None: the cwd (NNHandler sets its checkpoint dir)
+        self.report_dir = report_dir  # None: the cwd (NNHandler: next to its checkpoint dir)
+        self.report_stem = "nn_handler-stall"
         self.now = _Now()
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.error: CollectiveStallError | None = None
@@ -283,6 +289,11 @@ class Watchdog:
             return True
         return before is not None and before["beat"] == after["beat"]  # no heartbeat for STACKS_WAIT_S
 
+    def report_next_to(self, checkpoint_dir) -> None:
+        """Write reports beside ``checkpoint_dir`` (``runs/a`` -> ``runs/a-stall-rank0.txt``), not into it."""
+        path = os.path.abspath(os.fspath(checkpoint_dir)).rstrip(os.sep)
+        self.report_dir, self.report_stem = os.path.dirname(path), f"{os.path.basename(path)}-stall"
+
     def _stack(self) -> str:
         if self._own_stack:  # the watched thread left the collective with an error: where it failed
             return self._own_stack
@@ -296,7 +307,7 @@ class Watchdog:
 
     def _write(self, text: str) -> str:
         directory = self.report_dir or os.getcwd()
-        path = os.path.join(directory, f"nn_handler-stall-rank{self.rank}.txt")
+        path = os.path.join(directory, f"{self.report_stem}-rank{self.rank}.txt")
         try:
             os.makedirs(directory, exist_ok=True)
             with open(path, "w") as f:
@@ -334,7 +345,7 @@ class Watchdog:
             previous = now.collective, now.since
             summary = traceback.extract_tb(exc.__traceback__)
             self._own_stack = "".join(traceback.format_list(summary))
-            mine = [f for f in reversed(summary) if not os.path.abspath(f.filename).startswith(_OWN_DIRS)]
+            mine = [f for f in reversed(summary) if _is_users(f.filename)]
             self._own_where = f"{mine[0].filename}:{mine[0].lineno} ({mine[0].name})" if mine else None
             if now.collective is None:
                 now.collective, now.since = collective, self._seen[1]

@@ -64,3 +64,10 @@ def test_watch_collectives_without_a_group_does_nothing():
 @pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("1", True), ("yes", True)])
 def test_debug_switch(value, on):
     assert debug_enabled({"NN_HANDLER_DEBUG": value}) is on
+
+
+def test_reports_go_beside_the_checkpoint_dir_not_into_it(tmp_path):
+    dog = _stall.Watchdog(store=None, rank=1, world_size=2, timeout=3)
+    dog.report_next_to(tmp_path / "run-a")
+    assert dog._write("report\n") == str(tmp_path / "run-a-stall-rank1.txt")
+    assert (tmp_path / "run-a-stall-rank1.txt").read_text() == "report\n"
