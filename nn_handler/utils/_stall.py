@@ -47,6 +47,7 @@ __all__ = ["watch_collectives"]
 log = logging.getLogger(__name__)
 
 ENV_VAR = "NN_HANDLER_STALL_TIMEOUT"
+DIR_ENV_VAR = "NN_HANDLER_STALL_DIR"  # where the reports go, when set
 DEFAULT_STALL_TIMEOUT = 300.0  # well under the group's timeout (60 min by default)
 BEAT_S = 1.0
 STACKS_WAIT_S = 3.0  # how long a reporting rank waits for the others' stacks
@@ -165,7 +166,8 @@ class Watchdog:
 
     def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
-        self.report_dir = report_dir  # None: the cwd (NNHandler: next to its checkpoint dir)
+        # None: the cwd; NNHandler: beside its checkpoint dir; NN_HANDLER_STALL_DIR wins over both.
+        self.report_dir = report_dir or os.environ.get(DIR_ENV_VAR) or None
         self.report_stem = "nn_handler-stall"
         self.now = _Now()
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -291,6 +293,8 @@ class Watchdog:
 
     def report_next_to(self, checkpoint_dir) -> None:
         """Write reports beside ``checkpoint_dir`` (``runs/a`` -> ``runs/a-stall-rank0.txt``), not into it."""
+        if os.environ.get(DIR_ENV_VAR):
+            return
         path = os.path.abspath(os.fspath(checkpoint_dir)).rstrip(os.sep)
         self.report_dir, self.report_stem = os.path.dirname(path), f"{os.path.basename(path)}-stall"
 

@@ -19,16 +19,13 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "stall.py"
 
 
-def _late_rank_in_training(directory):
-    import os
+def _late_rank_in_training():
     import time
 
     import torch.distributed as dist
 
     from nn_handler import Callback
     from scripts.handler_case import make_data, make_handler, make_model
-
-    os.chdir(directory)
 
     class LateOnRank1(Callback):
         def on_batch_end(self, handler, batch, loss):
@@ -42,11 +39,13 @@ def _late_rank_in_training(directory):
 
 def test_launch_raises_collective_stall_error_naming_the_rank_stuck_in_a_training_callback(tmp_path, monkeypatch):
     monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", "3")
+    monkeypatch.setenv("NN_HANDLER_STALL_DIR", str(tmp_path))
     with pytest.raises(CollectiveStallError) as info:
-        NNHandler.launch(_late_rank_in_training, str(tmp_path), nprocs=2, timeout=100)
+        NNHandler.launch(_late_rank_in_training, nprocs=2, timeout=100)
     error = info.value
     assert error.missing == (1,) and "backward" in error.collective
     assert "test_stall_launch.py" in str(error) and "on_batch_end" in str(error)
+    assert Path(error.report_path).parent == tmp_path  # NN_HANDLER_STALL_DIR
     report = Path(error.report_path).read_text()
     assert "time.sleep(60)  # rank 1 is stuck in a callback" in report
 
@@ -54,7 +53,7 @@ def test_launch_raises_collective_stall_error_naming_the_rank_stuck_in_a_trainin
 def test_torchrun_exits_non_zero_with_the_report_in_the_error_file(tmp_path):
     result = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           f"--master_port={find_free_port()}", str(SCRIPT)], timeout=120, cwd=tmp_path,
-                         env={"PYTHONPATH": str(REPO)})
+                         env={"PYTHONPATH": str(REPO), "NN_HANDLER_STALL_DIR": ""})  # reports in the cwd
     out = result.stdout
     assert result.returncode != 0, out[-3000:]
     assert "finished" not in out

@@ -66,8 +66,16 @@ def test_debug_switch(value, on):
     assert debug_enabled({"NN_HANDLER_DEBUG": value}) is on
 
 
-def test_reports_go_beside_the_checkpoint_dir_not_into_it(tmp_path):
+def test_reports_go_beside_the_checkpoint_dir_not_into_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("NN_HANDLER_STALL_DIR", raising=False)
     dog = _stall.Watchdog(store=None, rank=1, world_size=2, timeout=3)
     dog.report_next_to(tmp_path / "run-a")
     assert dog._write("report\n") == str(tmp_path / "run-a-stall-rank1.txt")
     assert (tmp_path / "run-a-stall-rank1.txt").read_text() == "report\n"
+
+
+def test_nn_handler_stall_dir_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("NN_HANDLER_STALL_DIR", str(tmp_path / "reports"))
+    dog = _stall.Watchdog(store=None, rank=0, world_size=2, timeout=3)
+    dog.report_next_to(tmp_path / "run-a")
+    assert dog._write("report\n") == str(tmp_path / "reports" / "nn_handler-stall-rank0.txt")
