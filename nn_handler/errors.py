@@ -31,6 +31,7 @@ __all__ = [
     "ParallelExecutionError",
     "WorkerDiedError",
     "RankFailedError",
+    "CollectiveStallError",
     "NonFiniteLossError",
     "CheckpointError",
     "CheckpointMismatchError",
@@ -391,6 +392,34 @@ def _load_type(refs) -> type | None:
 
 def _rebuild_rank_failed_error(function, failures, type_refs):
     return RankFailedError.create(function, failures, _load_type(type_refs))
+
+
+class CollectiveStallError(NNHandlerError, RuntimeError):
+    """A rank waited in a collective longer than ``stall_timeout`` for ranks that did not come (or died).
+
+    Raised on every live rank of the group instead of waiting for the
+    process group's timeout; each rank wrote a report (every rank's place,
+    stack and time there) to the log and to ``report_path``.
+
+    Attributes:
+        collective: The collective that stalled (``"all_reduce"``, ``"on_rank(save) status"``).
+        missing: Ranks that were alive but elsewhere.
+        dead: Ranks that stopped beating and whose process is gone.
+        report_path: This rank's report file.
+
+    Example:
+        >>> err = CollectiveStallError("all_reduce stalled on rank 0: rank 1 is at train.py:12", "all_reduce", [1])
+        >>> err.missing, isinstance(err, RuntimeError)
+        ((1,), True)
+    """
+
+    def __init__(self, message: str, collective: str = "", missing=(), dead=(), report_path: str | None = None):
+        self.collective, self.missing, self.dead = collective, tuple(missing), tuple(dead)
+        self.report_path = report_path
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.collective, self.missing, self.dead, self.report_path))
 
 
 class NonFiniteLossError(NNHandlerError, RuntimeError):

@@ -52,6 +52,7 @@ from .callbacks import Callback
 from .checkpoint import FORMAT, load_payload, load_weights
 from .errors import CheckpointError, ConfigurationError
 from .history import History
+from .utils._stall import current as stall_watchdog
 from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
                         should_use_distributed)
 from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
@@ -229,6 +230,8 @@ class NNHandler:
         if self.distributed and not is_distributed():
             initialize_ddp()
             self._owns_group = True
+        if checkpoint_dir is not None and stall_watchdog() is not None:
+            stall_watchdog().report_next_to(checkpoint_dir)  # stall reports beside the checkpoints
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)

@@ -57,6 +57,15 @@ def live_children(pid: int | None = None) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stall_reports_out_of_the_repo(tmp_path_factory):
+    # A test whose rank dies writes a stall report (tests/dist/test_on_rank.py, the elastic restarts); the
+    # ranks' cwd is the repository, so send the reports to a temporary directory (rank processes inherit it).
+    os.environ["NN_HANDLER_STALL_DIR"] = str(tmp_path_factory.mktemp("stall-reports"))
+    yield
+    os.environ.pop("NN_HANDLER_STALL_DIR", None)
+
+
 @pytest.fixture(autouse=True)
 def _hygiene(request):
     before_env = {k: os.environ.get(k) for k in _LAUNCH_VARS}

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._tree import to_device
 from ..errors import ConfigurationError, NonFiniteLossError
+from ..utils._stall import note_step, watch_collectives, watching
 from ..utils.ddp_decorators import any_rank
 from . import data as D
 from . import metrics as M
@@ -189,46 +190,51 @@ class Loop:
                if progress and parts.is_main_process else None)
         micro = 0
         try:
-            for i, batch in enumerate(batches, start=first):
-                for cb in callbacks:
-                    cb.on_batch_begin(view, i)
-                inputs, targets = D.split_batch(to_device(batch, device))
-                if targets is None:
-                    raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
-                micro += 1
-                boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
-                with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
-                    outputs, loss = step.forward(inputs, targets)
-                    if check_each_step and not torch.isfinite(loss):
-                        raise NonFiniteLossError(epoch, i, float(loss.detach()))
-                    step.backward(loss)
-                if boundary:
+            # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
+            with watch_collectives():
+                for i, batch in enumerate(batches, start=first):
+                    for cb in callbacks:
+                        cb.on_batch_begin(view, i)
+                    inputs, targets = D.split_batch(to_device(batch, device))
+                    if targets is None:
+                        raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
+                    micro += 1
+                    boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
+                    with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
+                        outputs, loss = step.forward(inputs, targets)
+                        if check_each_step and not torch.isfinite(loss):
+                            raise NonFiniteLossError(epoch, i, float(loss.detach()))
+                        with watching("backward (DDP's gradient all_reduce)"):
+                            step.backward(loss)
+                    if boundary:
+                        step.optimizer_step()
+                        state.global_step += 1
+                        note_step(state.global_step)
+                        micro = 0
+                    detached = loss.detach()
+                    losses.append(detached)
+                    sizes.append(D.batch_size_of(inputs, targets))
+                    if metrics:
+                        with torch.no_grad():
+                            out = outputs.detach()
+                            for values, fn in zip(metric_values, metrics.values()):
+                                values.append(fn(out, targets))
+                    for cb in callbacks:
+                        cb.on_batch_end(view, i, detached)
+                    if check_every and (i + 1) % check_every == 0:
+                        M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
+                    if bar is not None:
+                        bar.advance(losses, sizes)
+                    # After the whole step (update, hooks): a preemption stops
+                    # between two optimizer steps, never inside an accumulation group.
+                    last = n_batches is not None and i + 1 == n_batches
+                    if monitor is not None and boundary and monitor.step_done(last):
+                        raise _StopMidEpoch({
+                            "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
+                            "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values]})
+                if micro:  # an unsized loader ended inside an accumulation group
                     step.optimizer_step()
                     state.global_step += 1
-                    micro = 0
-                detached = loss.detach()
-                losses.append(detached)
-                sizes.append(D.batch_size_of(inputs, targets))
-                if metrics:
-                    with torch.no_grad():
-                        out = outputs.detach()
-                        for values, fn in zip(metric_values, metrics.values()):
-                            values.append(fn(out, targets))
-                for cb in callbacks:
-                    cb.on_batch_end(view, i, detached)
-                if check_every and (i + 1) % check_every == 0:
-                    M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
-                if bar is not None:
-                    bar.advance(losses, sizes)
-                # After the whole step (update, hooks): a preemption stops
-                # between two optimizer steps, never inside an accumulation group.
-                if monitor is not None and boundary and monitor.step_done(n_batches is not None and i + 1 == n_batches):
-                    raise _StopMidEpoch({
-                        "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                        "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values]})
-            if micro:  # an unsized loader ended inside an accumulation group
-                step.optimizer_step()
-                state.global_step += 1
         finally:
             if bar is not None:
                 bar.close()

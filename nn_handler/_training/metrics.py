@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import NonFiniteLossError
+from ..utils._stall import watching
 from ..utils.ddp import is_distributed
 
 
@@ -56,7 +57,8 @@ def reduce_over_ranks(
         t[n + rank * k:n + (rank + 1) * k] = torch.tensor([float(v) for v in mine], dtype=torch.float64)
     if world > 1:
         t = t.to(comm_device(device))
-        dist.all_reduce(t)
+        with watching("all_reduce (loss and metrics over ranks)"):
+            dist.all_reduce(t)
     flat = t.cpu().tolist()
     return flat[:n], [flat[n + r * k:n + (r + 1) * k] for r in range(world)]
 

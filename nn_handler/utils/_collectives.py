@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..errors import RankFailedError, RankFailure, _load_type, _type_refs
 from ._env import LaunchEnv, detect_launch_env
+from ._stall import watching, working_on
 from .ddp import is_distributed, on_cleanup
 
 __all__ = ["any_rank", "all_ranks"]
@@ -128,7 +129,8 @@ def side_group() -> SideGroup | None:
         # The user's timeout for the default group is the bound they chose
         # for "a rank waits on the others".
         timeout = group_timeout(world)
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        with watching("new_group (nn_handler's side group)"):
+            group = dist.new_group(backend="gloo", timeout=timeout)
         buffer = bytearray(_STATUS.size)
         side = SideGroup(weakref.ref(world), group, dist.get_rank(), dist.get_world_size(), timeout, buffer,
                          torch.frombuffer(buffer, dtype=torch.int64))
@@ -176,12 +178,13 @@ def gather(side: SideGroup, obj) -> list:
     """Every rank's ``obj`` (picklable), by rank; ``dist.all_gather_object`` without numpy."""
     data = pickle.dumps(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(side.size)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=side.group)
-    longest = max(int(n) for n in sizes)  # a pickle is never empty
-    buffers = [bytearray(longest) for _ in range(side.size)]
-    mine = bytearray(data) + bytearray(longest - len(data))  # gloo gathers equal sizes
-    dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in buffers],
-                    torch.frombuffer(mine, dtype=torch.uint8), group=side.group)
+    with watching("all_gather"):
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=side.group)
+        longest = max(int(n) for n in sizes)  # a pickle is never empty
+        buffers = [bytearray(longest) for _ in range(side.size)]
+        mine = bytearray(data) + bytearray(longest - len(data))  # gloo gathers equal sizes
+        dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in buffers],
+                        torch.frombuffer(mine, dtype=torch.uint8), group=side.group)
     return [pickle.loads(b[:int(n)]) for b, n in zip(buffers, sizes)]
 
 
@@ -191,7 +194,8 @@ def broadcast_bytes(side: SideGroup, data: bytes, size: int, src: int) -> bytes:
     # Python itself (Tensor.numpy() would need numpy, not a dependency).
     buffer = bytearray(data) if side.rank == src else bytearray(size)
     if size:  # frombuffer refuses an empty buffer
-        dist.broadcast(torch.frombuffer(buffer, dtype=torch.uint8), src=src, group=side.group)
+        with watching("broadcast"):
+            dist.broadcast(torch.frombuffer(buffer, dtype=torch.uint8), src=src, group=side.group)
     return data if side.rank == src else bytes(buffer)
 
 
@@ -259,7 +263,8 @@ def agree_on_failure(side: SideGroup, what: str, failure: BaseException | None =
             rank's exception type where possible), or what ``peer_error`` made.
     """
     try:
-        n_failed, size = exchange(side, failure is not None, payload_size)
+        with watching(f"status exchange of {what}"):
+            n_failed, size = exchange(side, failure is not None, payload_size)
         if n_failed:
             mine = _failure_record(failure, side.rank) if failure is not None else None
             records = [r for r in gather(side, mine) if r is not None]
@@ -324,7 +329,8 @@ def run_on_ranks(side: SideGroup, fn: Callable[[], R], *, what: str, ranks: Sequ
     if side.rank in ranks:
         token = restricted.set(True)
         try:
-            result = fn()
+            with working_on(what):  # the others wait for it in the status exchange: no stall
+                result = fn()
             if broadcast and side.rank == source:
                 payload = _pickled_result(result, what)
         except BaseException as exc:  # KeyboardInterrupt too: the others must not wait for it
@@ -349,13 +355,15 @@ def monitored_barrier(side: SideGroup, timeout: timedelta | None = None) -> None
 
     ``wait_all_ranks=True``: rank 0 lists every missing rank, not only the first.
     """
-    dist.monitored_barrier(group=side.group, timeout=timeout or side.timeout, wait_all_ranks=True)
+    with watching("monitored_barrier"):
+        dist.monitored_barrier(group=side.group, timeout=timeout or side.timeout, wait_all_ranks=True)
 
 
 def reduce_ints(side: SideGroup, values, op) -> list[int]:
     """Element-wise ``op`` (a ``dist.ReduceOp``) of every rank's ints ``values``: one all_reduce on the side group."""
     t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-    dist.all_reduce(t, op=op, group=side.group)
+    with watching("all_reduce"):
+        dist.all_reduce(t, op=op, group=side.group)
     return t.tolist()
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import _collectives as coll
 from ._env import detect_launch_env
+from ._guard import debug_enabled, no_collectives
 from .ddp import is_distributed
 
 __all__ = ["on_rank", "main_process_first"]
@@ -78,7 +79,7 @@ def _check_range(ranks: tuple[int, ...], world_size: int, name: str) -> None:
 
 
 def on_rank(
-    rank: Ranks, barrier: bool = False, *, broadcast_result: bool = False
+    rank: Ranks, barrier: bool = False, *, broadcast_result: bool = False, debug: bool | None = None
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the decorated function only on the given rank(s); a failure there raises on every rank.
 
@@ -114,6 +115,10 @@ def on_rank(
         broadcast_result: Return the result of the lowest target rank on
             every rank (it must be picklable); otherwise the ranks that skip
             the function return ``None``.
+        debug: Make a ``torch.distributed`` collective called inside the
+            function raise ``RuntimeError`` at once (the other ranks would
+            never join it: a hang). ``None``: on when ``NN_HANDLER_DEBUG=1``.
+            Costs a little on every Python call inside the function.
 
     Returns:
         A decorator. The decorated function returns the function's result on
@@ -157,8 +162,12 @@ def on_rank(
             side = coll.side_group() if not nested else None
             if side is not None:
                 _check_range(targets, side.size, name)
-                return coll.run_on_ranks(side, functools.partial(func, *args, **kwargs), what=name, ranks=targets,
-                                         broadcast=broadcast_result, barrier=barrier)
+                body = functools.partial(func, *args, **kwargs)
+                if debug or (debug is None and debug_enabled()):
+                    body = functools.partial(_guarded, body, f"the on_rank function {name}",
+                                             f"rank{'s' if len(targets) > 1 else ''} {', '.join(map(str, targets))}")
+                return coll.run_on_ranks(side, body, what=name, ranks=targets, broadcast=broadcast_result,
+                                         barrier=barrier)
             # No exchange possible: nested in code that only some ranks run,
             # or launched ranks before initialize_ddp. Run on the target ranks.
             if is_distributed():
@@ -181,6 +190,11 @@ def on_rank(
     return decorate
 
 
+def _guarded(body: Callable[[], R], where: str, ranks: str) -> R:
+    with no_collectives(where, ranks):
+        return body()
+
+
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """Run the ``with`` block on rank 0 first, then on the other ranks.
@@ -194,6 +208,8 @@ def main_process_first() -> Iterator[None]:
     statement too, and a failure on any of them raises on every rank. Without
     a process group the block just runs, unless a launcher started several
     ranks (then the others could not wait: call ``initialize_ddp`` first).
+    With ``NN_HANDLER_DEBUG=1`` a ``torch.distributed`` collective inside the
+    block raises ``RuntimeError`` at once instead of hanging.
 
     Raises:
         RankFailedError: On the ranks whose block did not fail, when the
@@ -217,8 +233,11 @@ def main_process_first() -> Iterator[None]:
     if side.rank != 0:
         coll.agree_on_failure(side, name, None)  # phase 1: wait for rank 0's block
     token = coll.restricted.set(True)
+    guard = (no_collectives("a main_process_first block", "one side (rank 0, then the others)") if debug_enabled()
+             else contextlib.nullcontext())
     try:
-        yield
+        with guard, coll.working_on(name):
+            yield
     except BaseException as exc:
         coll.restricted.reset(token)
         token = None

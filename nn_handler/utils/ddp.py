@@ -30,6 +30,8 @@ import torch.distributed as dist
 from .._checks import invalid
 from ..errors import DeviceError, LaunchEnvironmentError
 from ._devices import cuda_count, parse_device
+from . import _stall
+from ._stall import watch_collectives
 from ._env import (
     LaunchEnv,
     detect_launch_env,
@@ -52,6 +54,7 @@ __all__ = [
     "find_free_port",
     "detect_launch_env",
     "LaunchEnv",
+    "watch_collectives",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,7 +109,8 @@ def is_main_process() -> bool:
 def barrier() -> None:
     """Wait for every rank; does nothing without a process group."""
     if is_distributed():
-        dist.barrier()
+        with _stall.watching("barrier"):
+            dist.barrier()
 
 
 # Callables that drop references to process groups (e.g. the side group of
@@ -130,6 +134,7 @@ def cleanup_ddp() -> None:
     (say, a DDP model in a reference cycle) is collected first, and the
     groups are then destroyed while Python is still fully alive.
     """
+    _stall.stop()
     for hook in _release_hooks:
         hook()
     if is_distributed():
@@ -247,7 +252,8 @@ def _rendezvous_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"nn_handler/attempt{env.restart_count}", store)
 
 
-def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None = None):
+def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None = None, *,
+                   stall_timeout: float | None | str = "env"):
     """Set up the default process group from the launch environment, if there is one.
 
     Reads torchrun, SLURM (``srun``), Open MPI (``mpirun``) and PMI/MPICH
@@ -257,6 +263,12 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
     Args:
         timeout: Collective timeout (``timedelta`` or seconds); 60 minutes by default.
         backend: Force a backend (``"gloo"``, ``"nccl"``, ``"mpi"``).
+        stall_timeout: Seconds a rank may wait in a watched collective (see
+            :func:`watch_collectives`) while another rank is elsewhere; then
+            every rank writes a report naming the missing ranks and where they
+            are, and raises :class:`~nn_handler.errors.CollectiveStallError`.
+            ``"env"`` (default) reads ``NN_HANDLER_STALL_TIMEOUT`` (seconds or
+            ``none``; 300 s when unset); ``None`` turns the watchdog off.
 
     Returns:
         ``(distributed, rank, local_rank, world_size, device)`` on the first
@@ -271,13 +283,14 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
         LaunchEnvironmentError: Launch variables that are set but wrong
             (``RANK=""``, ``MASTER_PORT=70000``, ``WORLD_SIZE`` without
             ``RANK``, a rank not below the world size), before torch sees them.
-        ValueError: A non-positive timeout.
+        ValueError: A non-positive timeout or stall_timeout (a ConfigurationError).
 
     Example:
         >>> initialize_ddp()[0]  # not launched by torchrun/srun/mpirun
         False
     """
     timeout = _check_timeout(timeout)
+    stall_timeout = _stall.resolve_stall_timeout(stall_timeout)
     if is_distributed():
         return None
     env = detect_launch_env()
@@ -294,6 +307,10 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
             raise LaunchEnvironmentError(missing_rendezvous_message(env))
         store = _rendezvous_store(env, timeout)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        if stall_timeout is not None:
+            _stall.start(_stall.client_store(env.master_addr, env.master_port,
+                                             f"nn_handler/attempt{env.restart_count}/stall", timeout),
+                         env.rank, env.world_size, stall_timeout)
     global _atexit_registered
     if not _atexit_registered:
         atexit.register(_cleanup_at_exit)

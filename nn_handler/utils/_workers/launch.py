@@ -42,6 +42,7 @@ import cloudpickle
 
 from ..._checks import check_int, check_number
 from ...errors import (
+    CollectiveStallError,
     DistributedTimeoutError,
     ExecutorTimeoutError,
     ParallelExecutionError,
@@ -192,6 +193,8 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
 
     Raises:
         ParallelExecutionError: ``fn`` raised on a rank (the first one, named).
+        CollectiveStallError: A rank waited in a collective for a rank that did not come (see
+            ``initialize_ddp``'s ``stall_timeout``).
         WorkerDiedError: A rank's process died.
         ExecutorTimeoutError: The call ran past ``timeout`` (a ``TimeoutError``).
         ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
@@ -213,7 +216,12 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
         failures = [o.failure for o in failed.values()]
         exceptions = {rank: o.exception for rank, o in failed.items() if o.exception is not None}
         cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
-        raise cls(failures, exceptions, function=name)
+        error = cls(failures, exceptions, function=name)
+        # A stall is the caller's to handle by type: raise it, with the ranks' records as its cause.
+        stalls = [exc for exc in exceptions.values() if isinstance(exc, CollectiveStallError)]
+        if stalls:
+            raise stalls[0] from error
+        raise error
     unfinished = [rank for rank, o in enumerate(outcomes) if o is None]
     if unfinished:
         raise ExecutorTimeoutError([RankFailure(rank, devices[rank], message=f"still running after the {timeout:g}s "

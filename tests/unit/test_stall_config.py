@@ -1,0 +1,81 @@
+"""The stall watchdog's settings, report and error, without processes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import nn_handler
+from nn_handler.errors import CollectiveStallError, ConfigurationError
+from nn_handler.utils import _stall
+from nn_handler.utils._guard import debug_enabled
+from nn_handler.utils.ddp import initialize_ddp, watch_collectives
+
+
+@pytest.mark.parametrize("keyword, environ, expected", [
+    ("env", {}, _stall.DEFAULT_STALL_TIMEOUT), ("env", {"NN_HANDLER_STALL_TIMEOUT": "3"}, 3.0),
+    ("env", {"NN_HANDLER_STALL_TIMEOUT": " 2.5 "}, 2.5), ("env", {"NN_HANDLER_STALL_TIMEOUT": "none"}, None),
+    ("env", {"NN_HANDLER_STALL_TIMEOUT": "OFF"}, None), (7, {"NN_HANDLER_STALL_TIMEOUT": "3"}, 7),
+    (None, {"NN_HANDLER_STALL_TIMEOUT": "3"}, None)])
+def test_keyword_wins_over_the_environment(keyword, environ, expected):
+    assert _stall.resolve_stall_timeout(keyword, environ) == expected
+
+
+@pytest.mark.parametrize("value", ["3s", "0", "-1", "nan", "inf"])
+def test_a_bad_environment_value_names_the_variable(value):
+    with pytest.raises(ConfigurationError, match=r"NN_HANDLER_STALL_TIMEOUT must be a number of seconds > 0, or "
+                                                 r"'none' to turn the stall watchdog off, got"):
+        _stall.resolve_stall_timeout("env", {"NN_HANDLER_STALL_TIMEOUT": value})
+
+
+@pytest.mark.parametrize("value", [0, -2, "3", True])
+def test_a_bad_keyword_is_refused_before_anything_starts(value):
+    with pytest.raises(ConfigurationError, match="stall_timeout must be a number of seconds > 0 or None"):
+        initialize_ddp(stall_timeout=value)
+
+
+def test_the_error_is_a_runtime_error_that_survives_pickling():
+    err = CollectiveStallError("all_reduce stalled", "all_reduce", [1], [2], "/tmp/r.txt")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, RuntimeError) and nn_handler.CollectiveStallError is CollectiveStallError
+    assert (back.collective, back.missing, back.dead, back.report_path, str(back)) == \
+        ("all_reduce", (1,), (2,), "/tmp/r.txt", "all_reduce stalled")
+
+
+def test_the_report_names_the_missing_and_the_dead_rank():
+    beat = {"host": "h", "pid": 10, "step": 4, "collective": "all_reduce", "where": "train.py:9 (main)",
+            "for_s": 5.0, "time": 0.0}
+    beats = {0: beat, 1: dict(beat, pid=11, collective=None, where="train.py:7 (main)"), 2: dict(beat, pid=12)}
+    text = _stall.render_report(0, "all_reduce", beats, {1: "  File train.py, line 7\n"}, [2], [1], 3)
+    assert "ranks not in all_reduce: [1]" in text and "dead ranks: [2]" in text
+    assert "rank 1 (host h, pid 11, step 4): running its own code for 5.0 s at train.py:7 (main)  <- MISSING" in text
+    assert "rank 2 (host h, pid 12, step 4): DEAD" in text and "--- stack of rank 1" in text
+    headline = _stall._headline(0, "all_reduce", beats, [2], [1], "r.txt")
+    assert headline.startswith("all_reduce stalled: ranks [0] waited in it; rank 2 died") and "rank 1 is at" in headline
+
+
+def test_watch_collectives_without_a_group_does_nothing():
+    with watch_collectives(step=3):
+        pass
+    assert _stall.current() is None and nn_handler.watch_collectives is watch_collectives
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("1", True), ("yes", True)])
+def test_debug_switch(value, on):
+    assert debug_enabled({"NN_HANDLER_DEBUG": value}) is on
+
+
+def test_reports_go_beside_the_checkpoint_dir_not_into_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("NN_HANDLER_STALL_DIR", raising=False)
+    dog = _stall.Watchdog(store=None, rank=1, world_size=2, timeout=3)
+    dog.report_next_to(tmp_path / "run-a")
+    assert dog._write("report\n") == str(tmp_path / "run-a-stall-rank1.txt")
+    assert (tmp_path / "run-a-stall-rank1.txt").read_text() == "report\n"
+
+
+def test_nn_handler_stall_dir_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("NN_HANDLER_STALL_DIR", str(tmp_path / "reports"))
+    dog = _stall.Watchdog(store=None, rank=0, world_size=2, timeout=3)
+    dog.report_next_to(tmp_path / "run-a")
+    assert dog._write("report\n") == str(tmp_path / "reports" / "nn_handler-stall-rank0.txt")
