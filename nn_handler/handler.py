@@ -53,6 +53,7 @@ from .checkpoint import FORMAT, load_payload, load_weights
 from .errors import CheckpointError, ConfigurationError
 from .history import History
 from .utils._stall import current as stall_watchdog
+from .utils._stall import resolve_stall_timeout, set_timeout as set_stall_timeout
 from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
                         should_use_distributed)
 from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
@@ -162,6 +163,9 @@ class NNHandler:
         preemption_check_every: Agree on "a rank got SIGTERM" every this many
             optimizer steps (a one-int collective); by default about once a
             second of training, whatever the step time (see :mod:`nn_handler._training.preemption`).
+        stall_timeout: Seconds a rank may wait in a collective for a missing rank before every rank raises
+            :class:`~nn_handler.CollectiveStallError` with a report (``None``: no watchdog; ``"env"``:
+            ``NN_HANDLER_STALL_TIMEOUT``, else 300 s); also retunes the watchdog of your own ``initialize_ddp()``.
 
     Attributes:
         model: The model as trained (wrapped in DDP when distributed).
@@ -214,6 +218,7 @@ class NNHandler:
         keep_last: int = 2,
         preemption_check_every: int | None = None,
         overwrite: bool = False,
+        stall_timeout: float | None | str = "env",
     ):
         self.config = TrainingConfig.from_arguments(
             grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
@@ -226,10 +231,13 @@ class NNHandler:
         if seed is not None:
             seed_everything(seed)
 
+        stall_seconds = resolve_stall_timeout(stall_timeout)  # a bad value fails before any group starts
         self.distributed = should_use_distributed(use_distributed)
         if self.distributed and not is_distributed():
-            initialize_ddp()
+            initialize_ddp(stall_timeout=stall_seconds)
             self._owns_group = True
+        elif stall_timeout != "env" and stall_watchdog() is not None:
+            set_stall_timeout(stall_seconds)  # the group is the caller's; its watchdog takes this handler's setting
         if checkpoint_dir is not None and stall_watchdog() is not None:
             stall_watchdog().report_next_to(checkpoint_dir)  # stall reports beside the checkpoints
         self.rank = get_rank() if self.distributed else 0

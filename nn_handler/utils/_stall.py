@@ -471,6 +471,14 @@ def start(store, rank: int, world_size: int, timeout: float | None) -> Watchdog 
     return _dog
 
 
+def set_timeout(timeout: float | None) -> None:
+    """Change the running watchdog's timeout (``None``: stop it); harmless without one."""
+    if timeout is None:
+        stop()
+    elif _dog is not None:
+        _dog.timeout = timeout
+
+
 def stop() -> None:
     """Stop the watchdog (``cleanup_ddp``); harmless without one."""
     global _dog

@@ -218,3 +218,25 @@ def test_two_rank_resume_in_new_processes_is_bit_identical(tmp_path):
         assert second[rank]["hash"] == straight[rank]["hash"]
         for key in ("train_loss", "val_loss", "lr", "global_step", "wait", "best"):
             assert second[rank][key] == straight[rank][key], key
+
+
+def _stall_setting_body(rank):
+    from torch import nn
+
+    from nn_handler import NNHandler
+    from nn_handler.utils import _stall
+
+    before = _stall.current().timeout  # run_distributed's group has its watchdog (env or 300 s)
+    NNHandler(nn.Linear(2, 1), stall_timeout=7)
+    retuned = _stall.current().timeout
+    NNHandler(nn.Linear(2, 1))  # "env": leaves the group's setting alone
+    kept = _stall.current().timeout
+    NNHandler(nn.Linear(2, 1), stall_timeout=None)
+    return before, retuned, kept, _stall.current()
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_nnhandler_stall_timeout_keyword_wins_on_an_existing_group(monkeypatch):
+    monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", "40")
+    for before, retuned, kept, after in _check(run_distributed(_stall_setting_body, nprocs=2, timeout=TIMEOUT)):
+        assert (before, retuned, kept, after) == (40.0, 7, 7, None)

@@ -79,3 +79,11 @@ def test_nn_handler_stall_dir_wins(tmp_path, monkeypatch):
     dog = _stall.Watchdog(store=None, rank=0, world_size=2, timeout=3)
     dog.report_next_to(tmp_path / "run-a")
     assert dog._write("report\n") == str(tmp_path / "reports" / "nn_handler-stall-rank0.txt")
+
+
+@pytest.mark.parametrize("value", [0, -2, "3", True])
+def test_nnhandler_refuses_a_bad_stall_timeout_before_it_starts_anything(value):
+    from torch import nn
+
+    with pytest.raises(ConfigurationError, match="stall_timeout must be a number of seconds > 0 or None"):
+        nn_handler.NNHandler(nn.Linear(2, 1), stall_timeout=value)
