@@ -1,0 +1,214 @@
+"""Stall diagnosis on 2 real gloo ranks: a rank that does not come to a collective is named, with its line.
+
+Each test starts its own pair (the ranks end with the stall). Limits, smallest
+first: stall_timeout (3 s) < the group's collective timeout (30 s) < the
+helper's deadline (60 s) < pytest-timeout, so a CollectiveStallError proves the
+watchdog ended the wait, not the group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nn_handler.errors import CollectiveStallError
+from nn_handler.testing import RemoteFailure, run_distributed
+from nn_handler.utils.ddp import watch_collectives
+from nn_handler.utils.ddp_decorators import on_rank
+
+PG_TIMEOUT = 30
+DEADLINE = 60
+STALL = {"NN_HANDLER_STALL_TIMEOUT": "3", "NN_HANDLER_STALL_DIR": ""}  # "": the reports go to the cwd
+HERE = Path(__file__).resolve()
+
+
+def _line(marker: str) -> int:
+    """The line of this file whose comment is ``# marker`` (once, in a rank body)."""
+    [n] = [i for i, text in enumerate(HERE.read_text().splitlines(), 1) if text.endswith(f"# {marker}")]
+    return n
+
+
+def _late_all_reduce(rank, directory, how="sleep"):
+    os.chdir(directory)  # the reports go to the cwd
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 1 and how == "sleep":
+            time.sleep(40)  # rank 1 is late
+        elif rank == 1 and how == "loop":
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:  # rank 1 spins
+                pass
+        elif rank == 1 and how == "lock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire(timeout=40)  # rank 1 waits on a lock
+        elif rank == 1 and how == "uninterruptible":
+            # Like C code that never returns to Python: the signal that would raise cannot get through.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+            time.sleep(40)  # rank 1 cannot be interrupted
+        dist.all_reduce(t)
+    return float(t)
+
+
+def _run(body, *args, env=STALL):
+    return run_distributed(body, 2, args=args, timeout=DEADLINE, pg_timeout=PG_TIMEOUT, env=env)
+
+
+def test_a_rank_late_for_an_all_reduce_is_named_with_its_line_on_every_rank(tmp_path):
+    line = f"{HERE}:{_line('rank 1 is late')}"
+    results = _run(_late_all_reduce, str(tmp_path))
+    for rank, error in enumerate(results):
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.missing == (1,) and error.dead == () and error.collective == "all_reduce"
+        assert f"rank 1 is at {line}" in str(error)
+        report = Path(error.report_path).read_text()
+        assert Path(error.report_path).parent == tmp_path
+        assert "ranks not in all_reduce: [1]" in report and "<- MISSING" in report
+        assert "time.sleep(40)  # rank 1 is late" in report  # from rank 1's own stack
+        assert "in all_reduce for" in report
+
+
+def _late_for_on_rank(rank, directory):
+    os.chdir(directory)
+
+    @on_rank(0)
+    def save():
+        return "saved"
+
+    save()  # together: the side group exists, the next call waits in the status exchange
+    if rank == 1:
+        time.sleep(40)  # rank 1 never calls save
+    return save()
+
+
+@pytest.mark.parametrize("how, marker", [("loop", "rank 1 spins"), ("lock", "rank 1 waits on a lock")])
+def test_a_rank_spinning_or_waiting_on_a_lock_is_interrupted_too(tmp_path, how, marker):
+    results = _run(_late_all_reduce, str(tmp_path), how)
+    for error in results:
+        assert isinstance(error, CollectiveStallError) and error.missing == (1,), results
+    assert f"rank 1 is at {HERE}:{_line(marker)}" in str(results[0])
+
+
+def test_a_rank_that_cannot_be_interrupted_exits_after_writing_its_report(tmp_path):
+    error, exited = _run(_late_all_reduce, str(tmp_path), "uninterruptible")
+    assert isinstance(error, CollectiveStallError) and error.missing == (1,), (error, exited)
+    assert isinstance(exited, RemoteFailure) and "died" in str(exited)  # os._exit(1) after the grace period
+    assert f"rank 1 is at {HERE}:{_line('rank 1 cannot be interrupted')}" in str(error)
+    assert (tmp_path / "nn_handler-stall-rank1.txt").exists()
+
+
+def test_nn_handlers_own_collectives_are_watched_without_asking(tmp_path):
+    results = _run(_late_for_on_rank, str(tmp_path))
+    error = results[0]
+    assert isinstance(error, CollectiveStallError), results
+    assert error.collective.startswith("status exchange of") and "save" in error.collective
+    assert f"rank 1 is at {HERE}:{_line('rank 1 never calls save')}" in str(error)
+    assert isinstance(results[1], CollectiveStallError)
+
+
+def _killed_before_all_reduce(rank, directory):
+    os.chdir(directory)
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 1:
+            time.sleep(1.5)  # long enough for a heartbeat
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    return float(t)
+
+
+def test_a_killed_rank_is_reported_dead_not_slow(tmp_path):
+    results = _run(_killed_before_all_reduce, str(tmp_path))
+    error, died = results
+    assert isinstance(died, RemoteFailure) and "died" in str(died)
+    # Gloo fails at once with "Connection closed by peer", which names no rank: the error does.
+    assert isinstance(error, CollectiveStallError), error
+    assert error.dead == (1,) and error.missing == ()
+    assert "rank 1 died" in str(error)
+    assert "DEAD" in Path(error.report_path).read_text()
+    assert "the collective failed with:" in str(error)  # gloo's own words follow
+
+
+def _slow_rank(rank, directory):
+    os.chdir(directory)
+    total = 0.0
+    for step in range(3):
+        with watch_collectives(step=step):
+            if rank == 1:
+                time.sleep(2)  # slower at each step, but always comes
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            total += float(t)
+    return total
+
+
+def test_a_rank_merely_slower_at_each_step_is_no_stall(tmp_path):
+    assert _run(_slow_rank, str(tmp_path), env={**STALL, "NN_HANDLER_STALL_TIMEOUT": "5"}) == [6.0, 6.0]
+    assert not list(tmp_path.glob("nn_handler-stall-*"))
+
+
+def test_no_watchdog_with_stall_timeout_none(tmp_path):
+    def body(rank, directory):
+        from nn_handler.utils import _stall
+
+        return _stall.current() is None
+
+    assert _run(body, str(tmp_path), env={**STALL, "NN_HANDLER_STALL_TIMEOUT": "none"}) == [True, True]
+
+
+def _collective_inside_on_rank(rank, use_env):
+    @on_rank(0, debug=None if use_env else True)
+    def save():
+        dist.barrier()  # only rank 0 gets here: a hang without the guard
+        return "saved"
+
+    try:
+        return save()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised, as plain data
+        return type(exc).__name__, str(exc)
+
+
+def test_debug_guard_a_collective_inside_on_rank_raises_at_once_instead_of_hanging():
+    name, text = _run(_collective_inside_on_rank, False, env={})[0]
+    assert name == "RuntimeError" and "torch.distributed.barrier was called inside the on_rank function" in text
+    assert "only rank 0 runs" in text and "hang" in text
+    peer = _run(_collective_inside_on_rank, True, env={"NN_HANDLER_DEBUG": "1"})[1]
+    assert peer[0].startswith("RankFailedError") and "torch.distributed.barrier" in peer[1]
+
+
+def _collective_inside_main_process_first(rank):
+    from nn_handler.utils.ddp_decorators import main_process_first
+
+    try:
+        with main_process_first():
+            dist.all_reduce(torch.ones(1))
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+def test_debug_guard_covers_main_process_first():
+    results = _run(_collective_inside_main_process_first, env={"NN_HANDLER_DEBUG": "1"})
+    assert results[0][0] == "RuntimeError" and "all_reduce was called inside a main_process_first block" in results[0][1]
+
+
+def _long_save_on_rank_0(rank, directory):
+    os.chdir(directory)
+
+    @on_rank(0, broadcast_result=True)
+    def save():
+        time.sleep(5)  # longer than stall_timeout: rank 1 waits for it by design
+        return "saved"
+
+    return save()
+
+
+def test_a_long_on_rank_function_is_no_stall_for_the_ranks_waiting_for_it(tmp_path):
+    assert _run(_long_save_on_rank_0, str(tmp_path)) == ["saved", "saved"]
+    assert not list(tmp_path.glob("nn_handler-stall-*"))
