@@ -91,12 +91,15 @@ def resolve_stall_timeout(value="env", environ: Mapping[str, str] | None = None)
 class _Now:
     """What the watched thread is doing: written by it (cheap attribute sets), read by the watchdog."""
 
-    __slots__ = ("collective", "since", "auto", "thread", "step", "task")
+    __slots__ = ("collective", "since", "auto", "entries", "thread", "step", "task")
 
     def __init__(self) -> None:
         self.collective: str | None = None  # the collective nn_handler named, while in it
         self.since = 0.0  # time.monotonic() when it entered
         self.auto = 0  # depth of watch_collectives(): the watchdog then reads the stack
+        # watch_collectives() blocks entered so far: the same collective at the same line in the next
+        # block (the next step) is a new wait, however briefly the thread was away between the two.
+        self.entries = 0
         self.thread = threading.get_ident()
         self.step: int | None = None
         self.task: str | None = None  # the rank-restricted work it runs (an on_rank function), which peers await
@@ -221,7 +224,7 @@ class Watchdog:
         if collective is None and now.auto:
             collective = _torch_collective(frames)
         where = self._own_where or _where(_user_frame(frames))
-        key = f"{collective}@{where}"
+        key = f"{collective}@{where}#{now.entries}"
         if collective is None or now.collective is None:  # since: when it was first seen there
             since = self._seen[1] if self._seen[0] == key else time.monotonic()
         self._seen = (key, since)
@@ -562,6 +565,7 @@ def watch_collectives(step: int | None = None) -> Iterator[None]:
     now = dog.now
     previous = now.thread, now.step
     now.auto += 1
+    now.entries += 1
     now.thread = threading.get_ident()
     if step is not None:
         now.step = step
