@@ -28,11 +28,9 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import os
-import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -42,12 +40,12 @@ from torch.utils.data import DataLoader
 
 from ._checks import check_int
 from ._training import data as D
-from ._training import evaluation
+from ._training import evaluation, lifetime
 from ._training import resume as R
-from ._training.config import Resume, TrainingConfig, seed_everything
+from ._training.config import Resume, TrainingConfig, config_property, seed_everything
 from ._training.loop import Loop
 from ._training.parts import Parts
-from ._training.state import TrainingState
+from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import FORMAT, load_payload, load_weights
 from .errors import CheckpointError, ConfigurationError
@@ -61,40 +59,6 @@ from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
 __all__ = ["NNHandler"]
 
 log = logging.getLogger(__name__)
-
-# Handlers with a DDP model, closed at interpreter exit if the script did not
-# close them: a gloo group still referenced by a live DDP model can abort the
-# process while the interpreter tears down (measured with torch 2.13).
-_live_handlers: "weakref.WeakSet[NNHandler]" = weakref.WeakSet()
-_atexit_registered = False
-
-
-def _close_live_handlers() -> None:
-    for handler in list(_live_handlers):
-        try:
-            handler.close()
-        except Exception as exc:  # exiting anyway: report, do not mask the exit status
-            log.warning("closing %r at exit failed: %s", handler, exc)
-
-
-def _track_for_exit(handler: "NNHandler") -> None:
-    global _atexit_registered
-    _live_handlers.add(handler)
-    if not _atexit_registered:  # on first use, not at import
-        atexit.register(_close_live_handlers)
-        _atexit_registered = True
-
-
-def _state_attr(name: str, doc: str) -> property:
-    """An attribute of the handler kept in its TrainingState (the loop and resume update it there)."""
-    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
-                    doc=doc)
-
-
-def _config_attr(name: str) -> property:
-    """A constructor knob, read-only: it lives in the frozen TrainingConfig."""
-    return property(lambda self: getattr(self.config, name), doc=f"The ``{name}`` given to the constructor.")
-
 
 class NNHandler:
     """Train, evaluate, predict and checkpoint a model, the same way on one process or many.
@@ -273,23 +237,23 @@ class NNHandler:
         if scheduler is not None:
             self.set_scheduler(scheduler, **dict(scheduler_kwargs or {}))
         if self.distributed:
-            _track_for_exit(self)
+            lifetime.track_for_exit(self)
 
     # The run's state (updated by the loop and by resume) and the constructor's knobs.
-    epoch = _state_attr("epoch", "Completed epochs (resumes from checkpoints).")
-    global_step = _state_attr("global_step", "Optimizer steps taken.")
-    stop_training = _state_attr("stop_training", "Set to True (by a callback) to stop after the current epoch.")
-    history = _state_attr("history", "The History of completed epochs.")
-    grad_accum_steps = _config_attr("grad_accum_steps")
-    clip_grad_norm = _config_attr("clip_grad_norm")
-    finite_check_every = _config_attr("finite_check_every")
-    metrics = _config_attr("metrics")
-    amp = _config_attr("amp")
-    seed = _config_attr("seed")
-    checkpoint_dir = _config_attr("checkpoint_dir")
-    keep_last = _config_attr("keep_last")
-    overwrite = _config_attr("overwrite")
-    preemption_check_every = _config_attr("preemption_check_every")
+    epoch = state_property("epoch", "Completed epochs (resumes from checkpoints).")
+    global_step = state_property("global_step", "Optimizer steps taken.")
+    stop_training = state_property("stop_training", "Set to True (by a callback) to stop after the current epoch.")
+    history = state_property("history", "The History of completed epochs.")
+    grad_accum_steps = config_property("grad_accum_steps")
+    clip_grad_norm = config_property("clip_grad_norm")
+    finite_check_every = config_property("finite_check_every")
+    metrics = config_property("metrics")
+    amp = config_property("amp")
+    seed = config_property("seed")
+    checkpoint_dir = config_property("checkpoint_dir")
+    keep_last = config_property("keep_last")
+    overwrite = config_property("overwrite")
+    preemption_check_every = config_property("preemption_check_every")
 
     @property
     def module(self) -> nn.Module:
@@ -669,7 +633,7 @@ class NNHandler:
         if self._closed:
             return
         self._closed = True
-        _live_handlers.discard(self)
+        lifetime.forget(self)
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.module
             # DDP's reducer holds the group; cycles through its hooks can keep

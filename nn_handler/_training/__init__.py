@@ -18,4 +18,5 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     resume.py      what a checkpoint holds, and how a run starts and resumes
     preemption.py  SIGTERM -> a checkpoint and a clean exit
     progress.py    the tqdm bar of an epoch
+    lifetime.py    trainers still holding a process group are closed at exit
 """

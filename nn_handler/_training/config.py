@@ -105,3 +105,8 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
+
+
+def config_property(name: str) -> property:
+    """A constructor knob of the trainer, read-only: it lives in the frozen :class:`TrainingConfig`."""
+    return property(lambda self: getattr(self.config, name), doc=f"The ``{name}`` given to the constructor.")

@@ -44,3 +44,9 @@ class TrainingState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.history.load_state_dict(state["history"])
+
+
+def state_property(name: str, doc: str) -> property:
+    """An attribute of the trainer kept in its :class:`TrainingState` (the loop and resume update it there)."""
+    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
+                    doc=doc)
