@@ -41,6 +41,7 @@ from typing import Iterator, Mapping
 
 from .._checks import check_number, invalid
 from ..errors import CollectiveStallError
+from ._stall_report import headline, render_report, write_torchelastic_error_file
 
 __all__ = ["watch_collectives"]
 
@@ -280,9 +281,9 @@ class Watchdog:
         text = render_report(self.rank, collective, beats, stacks, dead, missing, self.timeout)
         path = self._write(text)
         log.error("%s\n(report written to %s)", text, path)
-        self.error = CollectiveStallError(_headline(self.rank, collective, beats, dead, missing, path),
+        self.error = CollectiveStallError(headline(self.rank, collective, beats, dead, missing, path),
                                           collective, missing, dead, path)
-        _write_torchelastic_error_file(self.error, text)
+        write_torchelastic_error_file(self.error, text)
         self._busy = False
         self.reported.set()
         self._interrupt()
@@ -396,61 +397,6 @@ def _is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         t in text for t in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                             "connection closed", "Connection refused"))
-
-
-def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
-    if b is None:
-        return f"  rank {r}: no heartbeat ever (it never started its watchdog)" + ("  <- DEAD" if r in dead else "")
-    doing = f"in {b['collective']}" if b["collective"] else "running its own code"
-    step = f", step {b['step']}" if b.get("step") is not None else ""
-    head = f"  rank {r} (host {b['host']}, pid {b['pid']}{step}): "
-    if r in dead:
-        return (head + f"DEAD: no heartbeat for {time.time() - b['time']:.1f} s, process gone; last seen "
-                f"{doing} at {b['where']}")
-    tag = "  <- MISSING" if r in missing else ""
-    return head + f"{doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
-
-
-def render_report(rank, collective, beats, stacks, dead, missing, timeout) -> str:
-    """The text of one rank's report (log and file)."""
-    lines = [f"nn_handler stall report from rank {rank} ({time.strftime('%Y-%m-%d %H:%M:%S')})",
-             f"collective: {collective} (stall_timeout {timeout:g} s)",
-             f"dead ranks: {dead or 'none'}; ranks not in {collective}: {missing or 'none'}", "ranks:"]
-    lines += [_rank_line(r, beats.get(r), dead, missing) for r in sorted(beats)]
-    for r in sorted(stacks):
-        lines.append(f"--- stack of rank {r} (from rank {r} itself, innermost last) ---")
-        lines.append(stacks[r].rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _headline(rank, collective, beats, dead, missing, path) -> str:
-    parts = []
-    for r in dead:
-        b = beats.get(r)
-        parts.append(f"rank {r} died" + (f" (pid {b['pid']} on {b['host']}, last seen at {b['where']})" if b else ""))
-    for r in missing:
-        b = beats.get(r)
-        where = (f" is at {b['where']}" + (f" in {b['collective']}" if b["collective"] else "")) if b else \
-            " never sent a heartbeat"
-        parts.append(f"rank {r}{where}")
-    waiting = [r for r, b in sorted(beats.items())
-               if b is not None and r not in dead and b["collective"] == collective]
-    return (f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
-            + f" (report of rank {rank}: {path})")
-
-
-def _write_torchelastic_error_file(error: CollectiveStallError, report: str) -> None:
-    # Under torchrun the agent shows the first error file it finds; without
-    # @record on the user's main nobody writes it, so write it here.
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"CollectiveStallError: {error}\n{report}",
-                                   "extraInfo": {"py_callstack": f"CollectiveStallError: {error}\n{report}", "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
 
 
 # --- the process's watchdog ----------------------------------------------------

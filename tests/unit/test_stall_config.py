@@ -8,7 +8,7 @@ import pytest
 
 import nn_handler
 from nn_handler.errors import CollectiveStallError, ConfigurationError
-from nn_handler.utils import _stall
+from nn_handler.utils import _stall, _stall_report
 from nn_handler.utils._guard import debug_enabled
 from nn_handler.utils.ddp import initialize_ddp, watch_collectives
 
@@ -47,11 +47,11 @@ def test_the_report_names_the_missing_and_the_dead_rank():
     beat = {"host": "h", "pid": 10, "step": 4, "collective": "all_reduce", "where": "train.py:9 (main)",
             "for_s": 5.0, "time": 0.0}
     beats = {0: beat, 1: dict(beat, pid=11, collective=None, where="train.py:7 (main)"), 2: dict(beat, pid=12)}
-    text = _stall.render_report(0, "all_reduce", beats, {1: "  File train.py, line 7\n"}, [2], [1], 3)
+    text = _stall_report.render_report(0, "all_reduce", beats, {1: "  File train.py, line 7\n"}, [2], [1], 3)
     assert "ranks not in all_reduce: [1]" in text and "dead ranks: [2]" in text
     assert "rank 1 (host h, pid 11, step 4): running its own code for 5.0 s at train.py:7 (main)  <- MISSING" in text
     assert "rank 2 (host h, pid 12, step 4): DEAD" in text and "--- stack of rank 1" in text
-    headline = _stall._headline(0, "all_reduce", beats, [2], [1], "r.txt")
+    headline = _stall_report.headline(0, "all_reduce", beats, [2], [1], "r.txt")
     assert headline.startswith("all_reduce stalled: ranks [0] waited in it; rank 2 died") and "rank 1 is at" in headline
 
 
