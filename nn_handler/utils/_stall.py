@@ -168,8 +168,13 @@ def _process_gone(pid: int) -> bool:
 class Watchdog:
     """The watchdog of one process of a group (see the module docstring)."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None):
+    def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None,
+                 store_host: int | None = None):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        # The rank whose process serves the store (rank 0 unless torchrun's agent does): its
+        # death takes the heartbeats with it, so its last one is kept here.
+        self.store_host, self._host_beat = store_host, None
+        self._store_gone = False
         # None: the cwd; NNHandler: beside its checkpoint dir; NN_HANDLER_STALL_DIR wins over both.
         self.report_dir = report_dir or os.environ.get(DIR_ENV_VAR) or None
         self.report_stem = "nn_handler-stall"
@@ -210,13 +215,17 @@ class Watchdog:
             self._wake.clear()
             if self._stop:
                 break
-            try:
-                self._tick()
-            except Exception as exc:  # the store went away: the group is ending or its host died
-                log.debug("stall watchdog: %s", exc)
-                if self._busy or self._peer_lost:
-                    self._busy, self._peer_lost = False, None
-                    self.reported.set()
+            if not self._store_gone:
+                try:
+                    self._tick()
+                    continue
+                except Exception as exc:  # the store went away: the group is ending or its host died
+                    log.debug("stall watchdog: the store went away: %s", exc)
+                    self._store_gone = True  # for good: a TCPStore client does not reconnect
+                    if self._peer_lost:  # it failed in the middle of that report: make it without the store
+                        self._busy = False
+            if self._busy or self._peer_lost:
+                self._without_store()
 
     def _observe(self) -> dict:
         now = self.now
@@ -238,6 +247,9 @@ class Watchdog:
     def _tick(self) -> None:
         me = self._observe()
         self.store.set(f"hb/{self.rank}", json.dumps(me))
+        host = f"hb/{self.store_host}"
+        if self.store_host not in (None, self.rank) and (self._host_beat or self.store.check([host])):
+            self._host_beat = json.loads(self.store.get(host))
         if self.reported.is_set():
             return
         if self._peer_lost:
@@ -278,10 +290,29 @@ class Watchdog:
             self._busy, self._peer_lost = False, None
             self.reported.set()
             return
-        text = render_report(self.rank, collective, beats, stacks, dead, missing, self.timeout)
+        self._conclude(collective, beats, stacks, dead, missing)
+
+    def _without_store(self) -> None:
+        """A report is due but the store is gone: say that its host died, if it did; else leave the error be."""
+        host, beat, collective = self.store_host, self._host_beat, self._peer_lost
+        alive = beat is not None and beat["host"] == self.host and not _process_gone(beat["pid"])
+        if self._busy or not collective or host in (None, self.rank) or alive:
+            self._busy, self._peer_lost = False, None
+            self.reported.set()
+            return
+        # The watched thread's collective failed because a peer went away, and so did the
+        # store that rank `host` served: it died. The other ranks' places went with the store.
+        self._busy = True
+        note = f"rank {host} hosted the group's store, which went away with it: the other ranks are not known here"
+        self._conclude(collective, {self.rank: self._observe(), host: beat}, {self.rank: self._stack()},
+                       [host], [], note)
+
+    def _conclude(self, collective, beats, stacks, dead, missing, note: str = "") -> None:
+        """Write the report, set the error for the watched thread, and make it raise."""
+        text = render_report(self.rank, collective, beats, stacks, dead, missing, self.timeout, note)
         path = self._write(text)
         log.error("%s\n(report written to %s)", text, path)
-        self.error = CollectiveStallError(headline(self.rank, collective, beats, dead, missing, path),
+        self.error = CollectiveStallError(headline(self.rank, collective, beats, dead, missing, path, note),
                                           collective, missing, dead, path)
         write_torchelastic_error_file(self.error, text)
         self._busy = False
@@ -409,13 +440,16 @@ def current() -> Watchdog | None:
     return _dog
 
 
-def start(store, rank: int, world_size: int, timeout: float | None) -> Watchdog | None:
-    """Start the watchdog of a new group (``initialize_ddp``); ``timeout=None``: none."""
+def start(store, rank: int, world_size: int, timeout: float | None, store_host: int | None = None) -> Watchdog | None:
+    """Start the watchdog of a new group (``initialize_ddp``); ``timeout=None``: none.
+
+    ``store_host``: the rank whose process serves ``store`` (``None``: no rank, torchrun's agent does).
+    """
     global _dog
     stop()
     if timeout is None or store is None:
         return None
-    _dog = Watchdog(store, rank, world_size, timeout)
+    _dog = Watchdog(store, rank, world_size, timeout, store_host=store_host)
     _dog.start()
     return _dog
 

@@ -26,11 +26,13 @@ def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
     return head + f"{doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
 
 
-def render_report(rank, collective, beats, stacks, dead, missing, timeout) -> str:
-    """The text of one rank's report (log and file)."""
+def render_report(rank, collective, beats, stacks, dead, missing, timeout, note: str = "") -> str:
+    """The text of one rank's report (log and file); ``note``: a line on what this rank could not see."""
     lines = [f"nn_handler stall report from rank {rank} ({time.strftime('%Y-%m-%d %H:%M:%S')})",
              f"collective: {collective} (stall_timeout {timeout:g} s)",
-             f"dead ranks: {dead or 'none'}; ranks not in {collective}: {missing or 'none'}", "ranks:"]
+             f"dead ranks: {dead or 'none'}; ranks not in {collective}: {missing or 'none'}"]
+    lines += [note] if note else []
+    lines.append("ranks:")
     lines += [_rank_line(r, beats.get(r), dead, missing) for r in sorted(beats)]
     for r in sorted(stacks):
         lines.append(f"--- stack of rank {r} (from rank {r} itself, innermost last) ---")
@@ -38,7 +40,7 @@ def render_report(rank, collective, beats, stacks, dead, missing, timeout) -> st
     return "\n".join(lines) + "\n"
 
 
-def headline(rank, collective, beats, dead, missing, path) -> str:
+def headline(rank, collective, beats, dead, missing, path, note: str = "") -> str:
     parts = []
     for r in dead:
         b = beats.get(r)
@@ -51,7 +53,7 @@ def headline(rank, collective, beats, dead, missing, path) -> str:
     waiting = [r for r, b in sorted(beats.items())
                if b is not None and r not in dead and b["collective"] == collective]
     return (f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
-            + f" (report of rank {rank}: {path})")
+            + (f"; {note}" if note else "") + f" (report of rank {rank}: {path})")
 
 
 def write_torchelastic_error_file(error: CollectiveStallError, report: str) -> None:

@@ -136,6 +136,57 @@ def test_a_killed_rank_is_reported_dead_not_slow(tmp_path):
     assert "the collective failed with:" in str(error)  # gloo's own words follow
 
 
+def _store_host_killed(rank, directory):
+    os.chdir(directory)
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 0:
+            time.sleep(1.5)  # long enough for a heartbeat
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0, the host of the group's store, dies
+        dist.all_reduce(t)
+    return float(t)
+
+
+def test_a_killed_rank_0_is_reported_dead_though_the_store_it_hosted_went_with_it(tmp_path):
+    died, *survivors = run_distributed(_store_host_killed, 3, args=(str(tmp_path),), timeout=DEADLINE,
+                                       pg_timeout=PG_TIMEOUT, env=STALL)
+    assert isinstance(died, RemoteFailure) and "died" in str(died)
+    for rank, error in enumerate(survivors, start=1):
+        # Neither the store's nor gloo's own error: the one that names the dead rank.
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.dead == (0,) and error.missing == () and error.collective == "all_reduce"
+        assert "rank 0 died" in str(error) and "store" in str(error)
+        report = Path(error.report_path).read_text()
+        assert Path(error.report_path).name == f"nn_handler-stall-rank{rank}.txt"
+        assert "DEAD" in report and f"--- stack of rank {rank} " in report
+
+
+def _rank_2_late(rank, directory):
+    os.chdir(directory)
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 2:
+            time.sleep(40)  # rank 2 is late
+        dist.all_reduce(t)
+    return float(t)
+
+
+def test_of_three_ranks_only_the_late_one_is_named(tmp_path):
+    line = f"{HERE}:{_line('rank 2 is late')}"
+    results = run_distributed(_rank_2_late, 3, args=(str(tmp_path),), timeout=DEADLINE, pg_timeout=PG_TIMEOUT,
+                              env=STALL)
+    for rank, error in enumerate(results):
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.missing == (2,) and error.dead == () and error.collective == "all_reduce"
+        assert f"rank 2 is at {line}" in str(error) and "waited in it" in str(error)
+        assert "rank 0 is at" not in str(error) and "rank 1 is at" not in str(error)
+    for rank in (0, 1):
+        assert "ranks [0, 1] waited in it" in str(results[rank])
+        report = Path(results[rank].report_path).read_text()
+        assert "ranks not in all_reduce: [2]" in report and report.count("<- MISSING") == 1
+        assert "time.sleep(40)  # rank 2 is late" in report  # from rank 2's own stack
+
+
 def _slow_rank(rank, directory):
     os.chdir(directory)
     total = 0.0
