@@ -98,8 +98,8 @@ class _Now:
         self.collective: str | None = None  # the collective nn_handler named, while in it
         self.since = 0.0  # time.monotonic() when it entered
         self.auto = 0  # depth of watch_collectives(): the watchdog then reads the stack
-        # watch_collectives() blocks entered so far: the same collective at the same line in the next
-        # block (the next step) is a new wait, however briefly the thread was away between the two.
+        # watch_collectives() blocks entered and trainer batches begun so far: the same collective at the
+        # same line in the next block (the next step) is a new wait, however briefly the thread was away.
         self.entries = 0
         self.thread = threading.get_ident()
         self.step: int | None = None
@@ -483,6 +483,17 @@ def note_step(step: int) -> None:
     dog = _dog
     if dog is not None:
         dog.now.step = step
+
+
+def new_wait() -> None:
+    """The watched thread moved on (the trainer's next batch): the same collective at the same line is a new wait.
+
+    Without it, a rank that waits 2 s in the same all_reduce of every step
+    looks, to a watchdog sampling once a second, like one long wait.
+    """
+    dog = _dog
+    if dog is not None:
+        dog.now.entries += 1
 
 
 @contextlib.contextmanager

@@ -206,6 +206,44 @@ def test_a_rank_merely_slower_at_each_step_is_no_stall(tmp_path):
     assert not list(tmp_path.glob("nn_handler-stall-*"))
 
 
+def _trainer_with_a_slower_rank(rank, directory):
+    os.chdir(directory)  # where a report would go
+    from nn_handler import Callback
+    from nn_handler.utils import _stall
+    from scripts.handler_case import make_data, make_handler, make_model
+
+    class GlobalLoss(Callback):
+        """A user's own collective in every step: the loss summed over the ranks, for a log."""
+
+        def __init__(self):
+            self.sums = []
+
+        def on_batch_end(self, handler, batch, loss):
+            if rank == 1:
+                time.sleep(2)  # rank 1 is 2 s slower at each step; rank 0 waits for it below
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            self.sums.append(float(total))
+
+    callback = GlobalLoss()
+    handler = make_handler(make_model(), callbacks=[callback], stall_timeout=3)
+    handler.set_train_loader(make_data(96), batch_size=8)  # 6 steps per epoch on each of the 2 ranks
+    history = handler.train(5, progress=False)
+    dog = _stall.current()
+    return handler.global_step, len(callback.sums), len(history), dog is not None and dog.timeout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_no_false_alarm_in_a_minute_of_training_with_a_rank_2_s_slower_at_each_step(tmp_path):
+    # 30 steps of about 2 s: rank 0 waits 2 s in the same all_reduce line at
+    # every step, 60 s in all, against a stall_timeout of 3 s.
+    results = run_distributed(_trainer_with_a_slower_rank, 2, args=(str(tmp_path),), timeout=130,
+                              pg_timeout=60, env=STALL)
+    assert results == [(30, 30, 5, 3.0)] * 2, results  # every step ran, on both ranks, with the watchdog on
+    assert not list(tmp_path.rglob("*stall*"))
+
+
 def test_no_watchdog_with_stall_timeout_none(tmp_path):
     def body(rank, directory):
         from nn_handler.utils import _stall
