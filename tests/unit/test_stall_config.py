@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -87,3 +88,28 @@ def test_nnhandler_refuses_a_bad_stall_timeout_before_it_starts_anything(value):
 
     with pytest.raises(ConfigurationError, match="stall_timeout must be a number of seconds > 0 or None"):
         nn_handler.NNHandler(nn.Linear(2, 1), stall_timeout=value)
+
+
+def _lost_store_watchdog(tmp_path, host_pid):
+    """Rank 1's watchdog, its watched thread's all_reduce failed with a lost peer, and rank 0's store gone."""
+    dog = _stall.Watchdog(store=None, rank=1, world_size=2, timeout=3, report_dir=str(tmp_path), store_host=0)
+    dog._host_beat = {"host": dog.host, "pid": host_pid, "step": None, "collective": None,
+                      "where": "train.py:9 (main)", "for_s": 0.0, "time": 0.0}
+    dog.now.collective, dog._peer_lost, dog._store_gone = "all_reduce", "all_reduce", True
+    dog._stop = True  # no signal and no exit: there is no watched thread to reach here
+    dog._without_store()
+    assert dog.reported.is_set()
+    return dog
+
+
+def test_a_gone_store_whose_host_process_is_gone_names_the_host_rank_dead(tmp_path):
+    dog = _lost_store_watchdog(tmp_path, host_pid=2**22 + 1)  # above Linux's largest pid: no such process
+    assert dog.error.dead == (0,) and dog.error.missing == () and dog.error.collective == "all_reduce"
+    assert "rank 0 died (pid 4194305" in str(dog.error) and "hosted the group's store" in str(dog.error)
+    assert "DEAD" in (tmp_path / "nn_handler-stall-rank1.txt").read_text()
+
+
+def test_a_gone_store_whose_host_process_lives_is_not_called_a_death(tmp_path):
+    dog = _lost_store_watchdog(tmp_path, host_pid=os.getpid())
+    assert dog.error is None and dog._peer_lost is None  # the collective's own error stands
+    assert not list(tmp_path.iterdir())
