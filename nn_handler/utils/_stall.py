@@ -230,17 +230,21 @@ class Watchdog:
     def _observe(self) -> dict:
         now = self.now
         frames = _frames(sys._current_frames().get(now.thread))
-        collective, since = now.collective, now.since
-        if collective is None and now.auto:
+        collective, since, inside = now.collective, now.since, None
+        if collective is not None and frames and _is_users(frames[0].f_code.co_filename):
+            # In a collective nn_handler named but running the user's code (a hook inside
+            # backward): not waiting in it, and the ranks that do wait there wait for this one.
+            collective, inside = None, collective
+        elif collective is None and now.auto:
             collective = _torch_collective(frames)
         where = self._own_where or _where(_user_frame(frames))
         key = f"{collective}@{where}#{now.entries}"
-        if collective is None or now.collective is None:  # since: when it was first seen there
+        if collective is None or now.collective is None or inside:  # since: when it was first seen there
             since = self._seen[1] if self._seen[0] == key else time.monotonic()
         self._seen = (key, since)
         self._beat += 1
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": now.step, "collective": collective,
-                "task": now.task,
+                "task": now.task, "inside": inside,
                 "where": where, "for_s": round(time.monotonic() - since, 1), "beat": self._beat,
                 "time": time.time()}
 
@@ -357,7 +361,7 @@ class Watchdog:
 
     def _interrupt(self) -> None:
         """Make the watched thread raise the error; exit the process when it cannot be reached."""
-        blocked = self.now.collective is not None or (self.now.auto and self._seen[0].split("@")[0] != "None")
+        blocked = self._seen[0].split("@")[0] != "None"  # in a collective when last seen
         if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) is _on_interrupt \
                 and self.now.thread == threading.main_thread().ident:
             signal.pthread_kill(self.now.thread, _INTERRUPT)

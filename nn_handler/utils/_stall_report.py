@@ -16,7 +16,7 @@ from ..errors import CollectiveStallError
 def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
     if b is None:
         return f"  rank {r}: no heartbeat ever (it never started its watchdog)" + ("  <- DEAD" if r in dead else "")
-    doing = f"in {b['collective']}" if b["collective"] else "running its own code"
+    doing = f"in {b['collective']}" if b["collective"] else _own_code(b)
     step = f", step {b['step']}" if b.get("step") is not None else ""
     head = f"  rank {r} (host {b['host']}, pid {b['pid']}{step}): "
     if r in dead:
@@ -24,6 +24,10 @@ def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
                 f"{doing} at {b['where']}")
     tag = "  <- MISSING" if r in missing else ""
     return head + f"{doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
+
+
+def _own_code(b: dict) -> str:
+    return "running its own code" + (f" inside {b['inside']}" if b.get("inside") else "")
 
 
 def render_report(rank, collective, beats, stacks, dead, missing, timeout, note: str = "") -> str:
@@ -47,7 +51,8 @@ def headline(rank, collective, beats, dead, missing, path, note: str = "") -> st
         parts.append(f"rank {r} died" + (f" (pid {b['pid']} on {b['host']}, last seen at {b['where']})" if b else ""))
     for r in missing:
         b = beats.get(r)
-        where = (f" is at {b['where']}" + (f" in {b['collective']}" if b["collective"] else "")) if b else \
+        where = (f" is at {b['where']}" + (f" in {b['collective']}" if b["collective"] else
+                                           f", {_own_code(b)}" if b.get("inside") else "")) if b else \
             " never sent a heartbeat"
         parts.append(f"rank {r}{where}")
     waiting = [r for r, b in sorted(beats.items())

@@ -244,6 +244,40 @@ def test_no_false_alarm_in_a_minute_of_training_with_a_rank_2_s_slower_at_each_s
     assert not list(tmp_path.rglob("*stall*"))
 
 
+def _stuck_in_backward(rank, directory):
+    os.chdir(directory)
+    from torch import nn
+
+    from scripts.handler_case import IN, make_data, make_handler
+
+    def stuck(grad):
+        time.sleep(40)  # rank 1 is stuck in its backward
+        return grad
+
+    class HookOnRank1(nn.Module):
+        def forward(self, x):
+            if rank == 1 and x.requires_grad:
+                x.register_hook(stuck)  # runs inside loss.backward(), before DDP's all_reduce can start
+            return x
+
+    torch.manual_seed(0)
+    handler = make_handler(nn.Sequential(nn.Linear(IN, 8), HookOnRank1(), nn.Tanh(), nn.Linear(8, 1)))
+    handler.set_train_loader(make_data(32), batch_size=8)
+    handler.train(1, progress=False)
+
+
+def test_a_rank_stuck_in_its_own_backward_is_named_with_its_line_while_the_others_wait_in_theirs(tmp_path):
+    # Both ranks are inside backward; only rank 0 waits in DDP's all_reduce there: rank 1 runs its hook.
+    results = _run(_stuck_in_backward, str(tmp_path))
+    for rank, error in enumerate(results):
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.missing == (1,) and error.collective == "backward (DDP's gradient all_reduce)"
+        assert f"rank 1 is at {HERE}:{_line('rank 1 is stuck in its backward')} (stuck)" in str(error)
+        assert "running its own code inside backward" in str(error)
+    report = Path(results[0].report_path).read_text()
+    assert "time.sleep(40)  # rank 1 is stuck in its backward" in report and "<- MISSING" in report
+
+
 def test_no_watchdog_with_stall_timeout_none(tmp_path):
     def body(rank, directory):
         from nn_handler.utils import _stall
