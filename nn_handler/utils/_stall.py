@@ -15,7 +15,8 @@ Each process of a group runs one watchdog thread (started by
                                          a signal when it runs Python code; when it is blocked in
                                          the collective, the peers' exit wakes it (gloo fails)
     gloo fails ("Connection closed by peer") inside a watched collective:
-      the watchdog checks which ranks stopped beating -> CollectiveStallError naming the dead rank
+      the watchdog checks which ranks stopped beating -> CollectiveStallError naming the dead rank;
+      when the store itself went away, the rank that served it (rank 0) died: each rank reports alone
 
 A rank that cannot be interrupted (stuck in C code) exits after a grace
 period, with its report written, so the others wake up too.
