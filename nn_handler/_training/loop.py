@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._tree import to_device
 from ..errors import ConfigurationError, NonFiniteLossError
-from ..utils._stall import note_step, watch_collectives, watching
+from ..utils._stall import new_wait, note_step, watch_collectives, watching
 from ..utils.ddp_decorators import any_rank
 from . import data as D
 from . import metrics as M
@@ -193,6 +193,7 @@ class Loop:
             # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
             with watch_collectives():
                 for i, batch in enumerate(batches, start=first):
+                    new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
                         cb.on_batch_begin(view, i)
                     inputs, targets = D.split_batch(to_device(batch, device))

@@ -15,7 +15,8 @@ Each process of a group runs one watchdog thread (started by
                                          a signal when it runs Python code; when it is blocked in
                                          the collective, the peers' exit wakes it (gloo fails)
     gloo fails ("Connection closed by peer") inside a watched collective:
-      the watchdog checks which ranks stopped beating -> CollectiveStallError naming the dead rank
+      the watchdog checks which ranks stopped beating -> CollectiveStallError naming the dead rank;
+      when the store itself went away, the rank that served it (rank 0) died: each rank reports alone
 
 A rank that cannot be interrupted (stuck in C code) exits after a grace
 period, with its report written, so the others wake up too.
@@ -41,6 +42,7 @@ from typing import Iterator, Mapping
 
 from .._checks import check_number, invalid
 from ..errors import CollectiveStallError
+from ._stall_report import headline, render_report, write_torchelastic_error_file
 
 __all__ = ["watch_collectives"]
 
@@ -97,8 +99,8 @@ class _Now:
         self.collective: str | None = None  # the collective nn_handler named, while in it
         self.since = 0.0  # time.monotonic() when it entered
         self.auto = 0  # depth of watch_collectives(): the watchdog then reads the stack
-        # watch_collectives() blocks entered so far: the same collective at the same line in the next
-        # block (the next step) is a new wait, however briefly the thread was away between the two.
+        # watch_collectives() blocks entered and trainer batches begun so far: the same collective at the
+        # same line in the next block (the next step) is a new wait, however briefly the thread was away.
         self.entries = 0
         self.thread = threading.get_ident()
         self.step: int | None = None
@@ -167,8 +169,13 @@ def _process_gone(pid: int) -> bool:
 class Watchdog:
     """The watchdog of one process of a group (see the module docstring)."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None):
+    def __init__(self, store, rank: int, world_size: int, timeout: float, report_dir: str | None = None,
+                 store_host: int | None = None):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        # The rank whose process serves the store (rank 0 unless torchrun's agent does): its
+        # death takes the heartbeats with it, so its last one is kept here.
+        self.store_host, self._host_beat = store_host, None
+        self._store_gone = False
         # None: the cwd; NNHandler: beside its checkpoint dir; NN_HANDLER_STALL_DIR wins over both.
         self.report_dir = report_dir or os.environ.get(DIR_ENV_VAR) or None
         self.report_stem = "nn_handler-stall"
@@ -209,34 +216,45 @@ class Watchdog:
             self._wake.clear()
             if self._stop:
                 break
-            try:
-                self._tick()
-            except Exception as exc:  # the store went away: the group is ending or its host died
-                log.debug("stall watchdog: %s", exc)
-                if self._busy or self._peer_lost:
-                    self._busy, self._peer_lost = False, None
-                    self.reported.set()
+            if not self._store_gone:
+                try:
+                    self._tick()
+                    continue
+                except Exception as exc:  # the store went away: the group is ending or its host died
+                    log.debug("stall watchdog: the store went away: %s", exc)
+                    self._store_gone = True  # for good: a TCPStore client does not reconnect
+                    if self._peer_lost:  # it failed in the middle of that report: make it without the store
+                        self._busy = False
+            if self._busy or self._peer_lost:
+                self._without_store()
 
     def _observe(self) -> dict:
         now = self.now
         frames = _frames(sys._current_frames().get(now.thread))
-        collective, since = now.collective, now.since
-        if collective is None and now.auto:
+        collective, since, inside = now.collective, now.since, None
+        if collective is not None and frames and _is_users(frames[0].f_code.co_filename):
+            # In a collective nn_handler named but running the user's code (a hook inside
+            # backward): not waiting in it, and the ranks that do wait there wait for this one.
+            collective, inside = None, collective
+        elif collective is None and now.auto:
             collective = _torch_collective(frames)
         where = self._own_where or _where(_user_frame(frames))
         key = f"{collective}@{where}#{now.entries}"
-        if collective is None or now.collective is None:  # since: when it was first seen there
+        if collective is None or now.collective is None or inside:  # since: when it was first seen there
             since = self._seen[1] if self._seen[0] == key else time.monotonic()
         self._seen = (key, since)
         self._beat += 1
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": now.step, "collective": collective,
-                "task": now.task,
+                "task": now.task, "inside": inside,
                 "where": where, "for_s": round(time.monotonic() - since, 1), "beat": self._beat,
                 "time": time.time()}
 
     def _tick(self) -> None:
         me = self._observe()
         self.store.set(f"hb/{self.rank}", json.dumps(me))
+        host = f"hb/{self.store_host}"
+        if self.store_host not in (None, self.rank) and (self._host_beat or self.store.check([host])):
+            self._host_beat = json.loads(self.store.get(host))
         if self.reported.is_set():
             return
         if self._peer_lost:
@@ -277,12 +295,31 @@ class Watchdog:
             self._busy, self._peer_lost = False, None
             self.reported.set()
             return
-        text = render_report(self.rank, collective, beats, stacks, dead, missing, self.timeout)
+        self._conclude(collective, beats, stacks, dead, missing)
+
+    def _without_store(self) -> None:
+        """A report is due but the store is gone: say that its host died, if it did; else leave the error be."""
+        host, beat, collective = self.store_host, self._host_beat, self._peer_lost
+        alive = beat is not None and beat["host"] == self.host and not _process_gone(beat["pid"])
+        if self._busy or not collective or host in (None, self.rank) or alive:
+            self._busy, self._peer_lost = False, None
+            self.reported.set()
+            return
+        # The watched thread's collective failed because a peer went away, and so did the
+        # store that rank `host` served: it died. The other ranks' places went with the store.
+        self._busy = True
+        note = f"rank {host} hosted the group's store, which went away with it: the other ranks are not known here"
+        self._conclude(collective, {self.rank: self._observe(), host: beat}, {self.rank: self._stack()},
+                       [host], [], note)
+
+    def _conclude(self, collective, beats, stacks, dead, missing, note: str = "") -> None:
+        """Write the report, set the error for the watched thread, and make it raise."""
+        text = render_report(self.rank, collective, beats, stacks, dead, missing, self.timeout, note)
         path = self._write(text)
         log.error("%s\n(report written to %s)", text, path)
-        self.error = CollectiveStallError(_headline(self.rank, collective, beats, dead, missing, path),
+        self.error = CollectiveStallError(headline(self.rank, collective, beats, dead, missing, path, note),
                                           collective, missing, dead, path)
-        _write_torchelastic_error_file(self.error, text)
+        write_torchelastic_error_file(self.error, text)
         self._busy = False
         self.reported.set()
         self._interrupt()
@@ -325,7 +362,7 @@ class Watchdog:
 
     def _interrupt(self) -> None:
         """Make the watched thread raise the error; exit the process when it cannot be reached."""
-        blocked = self.now.collective is not None or (self.now.auto and self._seen[0].split("@")[0] != "None")
+        blocked = self._seen[0].split("@")[0] != "None"  # in a collective when last seen
         if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) is _on_interrupt \
                 and self.now.thread == threading.main_thread().ident:
             signal.pthread_kill(self.now.thread, _INTERRUPT)
@@ -398,61 +435,6 @@ def _is_peer_failure(exc: BaseException) -> bool:
                             "connection closed", "Connection refused"))
 
 
-def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:
-    if b is None:
-        return f"  rank {r}: no heartbeat ever (it never started its watchdog)" + ("  <- DEAD" if r in dead else "")
-    doing = f"in {b['collective']}" if b["collective"] else "running its own code"
-    step = f", step {b['step']}" if b.get("step") is not None else ""
-    head = f"  rank {r} (host {b['host']}, pid {b['pid']}{step}): "
-    if r in dead:
-        return (head + f"DEAD: no heartbeat for {time.time() - b['time']:.1f} s, process gone; last seen "
-                f"{doing} at {b['where']}")
-    tag = "  <- MISSING" if r in missing else ""
-    return head + f"{doing} for {b['for_s']:.1f} s at {b['where']}{tag}"
-
-
-def render_report(rank, collective, beats, stacks, dead, missing, timeout) -> str:
-    """The text of one rank's report (log and file)."""
-    lines = [f"nn_handler stall report from rank {rank} ({time.strftime('%Y-%m-%d %H:%M:%S')})",
-             f"collective: {collective} (stall_timeout {timeout:g} s)",
-             f"dead ranks: {dead or 'none'}; ranks not in {collective}: {missing or 'none'}", "ranks:"]
-    lines += [_rank_line(r, beats.get(r), dead, missing) for r in sorted(beats)]
-    for r in sorted(stacks):
-        lines.append(f"--- stack of rank {r} (from rank {r} itself, innermost last) ---")
-        lines.append(stacks[r].rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _headline(rank, collective, beats, dead, missing, path) -> str:
-    parts = []
-    for r in dead:
-        b = beats.get(r)
-        parts.append(f"rank {r} died" + (f" (pid {b['pid']} on {b['host']}, last seen at {b['where']})" if b else ""))
-    for r in missing:
-        b = beats.get(r)
-        where = (f" is at {b['where']}" + (f" in {b['collective']}" if b["collective"] else "")) if b else \
-            " never sent a heartbeat"
-        parts.append(f"rank {r}{where}")
-    waiting = [r for r, b in sorted(beats.items())
-               if b is not None and r not in dead and b["collective"] == collective]
-    return (f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
-            + f" (report of rank {rank}: {path})")
-
-
-def _write_torchelastic_error_file(error: CollectiveStallError, report: str) -> None:
-    # Under torchrun the agent shows the first error file it finds; without
-    # @record on the user's main nobody writes it, so write it here.
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"CollectiveStallError: {error}\n{report}",
-                                   "extraInfo": {"py_callstack": f"CollectiveStallError: {error}\n{report}", "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
-
-
 # --- the process's watchdog ----------------------------------------------------
 
 _dog: Watchdog | None = None
@@ -463,13 +445,16 @@ def current() -> Watchdog | None:
     return _dog
 
 
-def start(store, rank: int, world_size: int, timeout: float | None) -> Watchdog | None:
-    """Start the watchdog of a new group (``initialize_ddp``); ``timeout=None``: none."""
+def start(store, rank: int, world_size: int, timeout: float | None, store_host: int | None = None) -> Watchdog | None:
+    """Start the watchdog of a new group (``initialize_ddp``); ``timeout=None``: none.
+
+    ``store_host``: the rank whose process serves ``store`` (``None``: no rank, torchrun's agent does).
+    """
     global _dog
     stop()
     if timeout is None or store is None:
         return None
-    _dog = Watchdog(store, rank, world_size, timeout)
+    _dog = Watchdog(store, rank, world_size, timeout, store_host=store_host)
     _dog.start()
     return _dog
 
@@ -503,6 +488,17 @@ def note_step(step: int) -> None:
     dog = _dog
     if dog is not None:
         dog.now.step = step
+
+
+def new_wait() -> None:
+    """The watched thread moved on (the trainer's next batch): the same collective at the same line is a new wait.
+
+    Without it, a rank that waits 2 s in the same all_reduce of every step
+    looks, to a watchdog sampling once a second, like one long wait.
+    """
+    dog = _dog
+    if dog is not None:
+        dog.now.entries += 1
 
 
 @contextlib.contextmanager

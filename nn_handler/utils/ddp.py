@@ -310,7 +310,8 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
         if stall_timeout is not None:
             _stall.start(_stall.client_store(env.master_addr, env.master_port,
                                              f"nn_handler/attempt{env.restart_count}/stall", timeout),
-                         env.rank, env.world_size, stall_timeout)
+                         env.rank, env.world_size, stall_timeout,
+                         store_host=None if env.uses_agent_store else 0)
     global _atexit_registered
     if not _atexit_registered:
         atexit.register(_cleanup_at_exit)

@@ -136,6 +136,57 @@ def test_a_killed_rank_is_reported_dead_not_slow(tmp_path):
     assert "the collective failed with:" in str(error)  # gloo's own words follow
 
 
+def _store_host_killed(rank, directory):
+    os.chdir(directory)
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 0:
+            time.sleep(1.5)  # long enough for a heartbeat
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0, the host of the group's store, dies
+        dist.all_reduce(t)
+    return float(t)
+
+
+def test_a_killed_rank_0_is_reported_dead_though_the_store_it_hosted_went_with_it(tmp_path):
+    died, *survivors = run_distributed(_store_host_killed, 3, args=(str(tmp_path),), timeout=DEADLINE,
+                                       pg_timeout=PG_TIMEOUT, env=STALL)
+    assert isinstance(died, RemoteFailure) and "died" in str(died)
+    for rank, error in enumerate(survivors, start=1):
+        # Neither the store's nor gloo's own error: the one that names the dead rank.
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.dead == (0,) and error.missing == () and error.collective == "all_reduce"
+        assert "rank 0 died" in str(error) and "store" in str(error)
+        report = Path(error.report_path).read_text()
+        assert Path(error.report_path).name == f"nn_handler-stall-rank{rank}.txt"
+        assert "DEAD" in report and f"--- stack of rank {rank} " in report
+
+
+def _rank_2_late(rank, directory):
+    os.chdir(directory)
+    t = torch.ones(1)
+    with watch_collectives():
+        if rank == 2:
+            time.sleep(40)  # rank 2 is late
+        dist.all_reduce(t)
+    return float(t)
+
+
+def test_of_three_ranks_only_the_late_one_is_named(tmp_path):
+    line = f"{HERE}:{_line('rank 2 is late')}"
+    results = run_distributed(_rank_2_late, 3, args=(str(tmp_path),), timeout=DEADLINE, pg_timeout=PG_TIMEOUT,
+                              env=STALL)
+    for rank, error in enumerate(results):
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.missing == (2,) and error.dead == () and error.collective == "all_reduce"
+        assert f"rank 2 is at {line}" in str(error) and "waited in it" in str(error)
+        assert "rank 0 is at" not in str(error) and "rank 1 is at" not in str(error)
+    for rank in (0, 1):
+        assert "ranks [0, 1] waited in it" in str(results[rank])
+        report = Path(results[rank].report_path).read_text()
+        assert "ranks not in all_reduce: [2]" in report and report.count("<- MISSING") == 1
+        assert "time.sleep(40)  # rank 2 is late" in report  # from rank 2's own stack
+
+
 def _slow_rank(rank, directory):
     os.chdir(directory)
     total = 0.0
@@ -153,6 +204,78 @@ def test_a_rank_merely_slower_at_each_step_is_no_stall(tmp_path):
     # 10 s in the same all_reduce line, never 3 s in one call: no stall.
     assert _run(_slow_rank, str(tmp_path), env={**STALL, "NN_HANDLER_STALL_TIMEOUT": "3"}) == [10.0, 10.0]
     assert not list(tmp_path.glob("nn_handler-stall-*"))
+
+
+def _trainer_with_a_slower_rank(rank, directory):
+    os.chdir(directory)  # where a report would go
+    from nn_handler import Callback
+    from nn_handler.utils import _stall
+    from scripts.handler_case import make_data, make_handler, make_model
+
+    class GlobalLoss(Callback):
+        """A user's own collective in every step: the loss summed over the ranks, for a log."""
+
+        def __init__(self):
+            self.sums = []
+
+        def on_batch_end(self, handler, batch, loss):
+            if rank == 1:
+                time.sleep(2)  # rank 1 is 2 s slower at each step; rank 0 waits for it below
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            self.sums.append(float(total))
+
+    callback = GlobalLoss()
+    handler = make_handler(make_model(), callbacks=[callback], stall_timeout=3)
+    handler.set_train_loader(make_data(96), batch_size=8)  # 6 steps per epoch on each of the 2 ranks
+    history = handler.train(5, progress=False)
+    dog = _stall.current()
+    return handler.global_step, len(callback.sums), len(history), dog is not None and dog.timeout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_no_false_alarm_in_a_minute_of_training_with_a_rank_2_s_slower_at_each_step(tmp_path):
+    # 30 steps of about 2 s: rank 0 waits 2 s in the same all_reduce line at
+    # every step, 60 s in all, against a stall_timeout of 3 s.
+    results = run_distributed(_trainer_with_a_slower_rank, 2, args=(str(tmp_path),), timeout=130,
+                              pg_timeout=60, env=STALL)
+    assert results == [(30, 30, 5, 3.0)] * 2, results  # every step ran, on both ranks, with the watchdog on
+    assert not list(tmp_path.rglob("*stall*"))
+
+
+def _stuck_in_backward(rank, directory):
+    os.chdir(directory)
+    from torch import nn
+
+    from scripts.handler_case import IN, make_data, make_handler
+
+    def stuck(grad):
+        time.sleep(40)  # rank 1 is stuck in its backward
+        return grad
+
+    class HookOnRank1(nn.Module):
+        def forward(self, x):
+            if rank == 1 and x.requires_grad:
+                x.register_hook(stuck)  # runs inside loss.backward(), before DDP's all_reduce can start
+            return x
+
+    torch.manual_seed(0)
+    handler = make_handler(nn.Sequential(nn.Linear(IN, 8), HookOnRank1(), nn.Tanh(), nn.Linear(8, 1)))
+    handler.set_train_loader(make_data(32), batch_size=8)
+    handler.train(1, progress=False)
+
+
+def test_a_rank_stuck_in_its_own_backward_is_named_with_its_line_while_the_others_wait_in_theirs(tmp_path):
+    # Both ranks are inside backward; only rank 0 waits in DDP's all_reduce there: rank 1 runs its hook.
+    results = _run(_stuck_in_backward, str(tmp_path))
+    for rank, error in enumerate(results):
+        assert isinstance(error, CollectiveStallError), (rank, error)
+        assert error.missing == (1,) and error.collective == "backward (DDP's gradient all_reduce)"
+        assert f"rank 1 is at {HERE}:{_line('rank 1 is stuck in its backward')} (stuck)" in str(error)
+        assert "running its own code inside backward" in str(error)
+    report = Path(results[0].report_path).read_text()
+    assert "time.sleep(40)  # rank 1 is stuck in its backward" in report and "<- MISSING" in report
 
 
 def test_no_watchdog_with_stall_timeout_none(tmp_path):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 
 import nn_handler
 from nn_handler.errors import CollectiveStallError, ConfigurationError
-from nn_handler.utils import _stall
+from nn_handler.utils import _stall, _stall_report
 from nn_handler.utils._guard import debug_enabled
 from nn_handler.utils.ddp import initialize_ddp, watch_collectives
 
@@ -47,11 +48,11 @@ def test_the_report_names_the_missing_and_the_dead_rank():
     beat = {"host": "h", "pid": 10, "step": 4, "collective": "all_reduce", "where": "train.py:9 (main)",
             "for_s": 5.0, "time": 0.0}
     beats = {0: beat, 1: dict(beat, pid=11, collective=None, where="train.py:7 (main)"), 2: dict(beat, pid=12)}
-    text = _stall.render_report(0, "all_reduce", beats, {1: "  File train.py, line 7\n"}, [2], [1], 3)
+    text = _stall_report.render_report(0, "all_reduce", beats, {1: "  File train.py, line 7\n"}, [2], [1], 3)
     assert "ranks not in all_reduce: [1]" in text and "dead ranks: [2]" in text
     assert "rank 1 (host h, pid 11, step 4): running its own code for 5.0 s at train.py:7 (main)  <- MISSING" in text
     assert "rank 2 (host h, pid 12, step 4): DEAD" in text and "--- stack of rank 1" in text
-    headline = _stall._headline(0, "all_reduce", beats, [2], [1], "r.txt")
+    headline = _stall_report.headline(0, "all_reduce", beats, [2], [1], "r.txt")
     assert headline.startswith("all_reduce stalled: ranks [0] waited in it; rank 2 died") and "rank 1 is at" in headline
 
 
@@ -87,3 +88,28 @@ def test_nnhandler_refuses_a_bad_stall_timeout_before_it_starts_anything(value):
 
     with pytest.raises(ConfigurationError, match="stall_timeout must be a number of seconds > 0 or None"):
         nn_handler.NNHandler(nn.Linear(2, 1), stall_timeout=value)
+
+
+def _lost_store_watchdog(tmp_path, host_pid):
+    """Rank 1's watchdog, its watched thread's all_reduce failed with a lost peer, and rank 0's store gone."""
+    dog = _stall.Watchdog(store=None, rank=1, world_size=2, timeout=3, report_dir=str(tmp_path), store_host=0)
+    dog._host_beat = {"host": dog.host, "pid": host_pid, "step": None, "collective": None,
+                      "where": "train.py:9 (main)", "for_s": 0.0, "time": 0.0}
+    dog.now.collective, dog._peer_lost, dog._store_gone = "all_reduce", "all_reduce", True
+    dog._stop = True  # no signal and no exit: there is no watched thread to reach here
+    dog._without_store()
+    assert dog.reported.is_set()
+    return dog
+
+
+def test_a_gone_store_whose_host_process_is_gone_names_the_host_rank_dead(tmp_path):
+    dog = _lost_store_watchdog(tmp_path, host_pid=2**22 + 1)  # above Linux's largest pid: no such process
+    assert dog.error.dead == (0,) and dog.error.missing == () and dog.error.collective == "all_reduce"
+    assert "rank 0 died (pid 4194305" in str(dog.error) and "hosted the group's store" in str(dog.error)
+    assert "DEAD" in (tmp_path / "nn_handler-stall-rank1.txt").read_text()
+
+
+def test_a_gone_store_whose_host_process_lives_is_not_called_a_death(tmp_path):
+    dog = _lost_store_watchdog(tmp_path, host_pid=os.getpid())
+    assert dog.error is None and dog._peer_lost is None  # the collective's own error stands
+    assert not list(tmp_path.iterdir())
