@@ -227,6 +227,9 @@ class NNHandler:
                 f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
                 f"leave it False here: each rank then normalizes with its own batch statistics"
             )
+        if self.config.fsdp_kwargs.get("cpu_offload") and self.device.type != "cuda":
+            raise ConfigurationError(f"fsdp_kwargs['cpu_offload']=True keeps the shards of a GPU run in CPU memory; "
+                                     f"this run is on {self.device.type}: leave it False")
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
         # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.

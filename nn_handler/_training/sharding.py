@@ -68,15 +68,12 @@ def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tupl
     """Move ``model`` to ``device`` and apply ``fully_shard`` to the policy's submodules, then to the root.
 
     Raises:
-        ConfigurationError: ``cpu_offload`` on a CPU device, or a model already sharded.
+        ConfigurationError: The model is already sharded or DDP-wrapped.
     """
     if isinstance(model, (FSDPModule, DistributedDataParallel)):
         raise ConfigurationError(f"the model is already wrapped ({type(model).__name__}); with strategy='fsdp' "
                                  f"pass the plain model: NNHandler applies fully_shard itself")
-    offload = bool(options.get("cpu_offload", False))
-    if offload and device.type != "cuda":
-        raise ConfigurationError("fsdp_kwargs['cpu_offload']=True keeps the shards in CPU memory between steps of "
-                                 f"a GPU run; this run is on {device.type}: leave it False")
+    offload = bool(options.get("cpu_offload", False))  # on a GPU run only: NNHandler checked
     kwargs: dict[str, Any] = {"mp_policy": mixed_precision(device, amp),
                               "reshard_after_forward": options.get("reshard_after_forward", True)}
     if offload:
