@@ -158,7 +158,8 @@ class NNHandler:
             ``clip_grad_norm``, unknown ``ddp_kwargs``, metrics that are not
             callables, an optimizer that holds none of the model's parameters,
             ``resume="auto"`` without a ``checkpoint_dir``, ``overwrite``
-            without a ``checkpoint_dir`` or with ``resume="auto"``.
+            without a ``checkpoint_dir`` or with ``resume="auto"``, an unknown ``strategy``, ``fsdp_wrap`` that
+            is not module classes, ``fsdp_*`` settings without ``strategy="fsdp"`` (or ``ddp_kwargs`` with it).
 
     Example:
         >>> from torch import nn

@@ -54,7 +54,7 @@ def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> Non
     else:
         state = {"model": get_model_state_dict(module)}
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
     meta = dict(payload)
     meta["model"] = {}
     if meta.get("optimizer") is not None:  # the param groups alone: resume checks their sizes before loading
@@ -133,7 +133,7 @@ def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
         state = {"model": get_model_state_dict(module)}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), no_dist=not parts.in_group)
     except Exception as exc:
         raise CheckpointError(f"could not load the sharded checkpoint {path}: {exc}") from exc
     if with_optimizer:

@@ -89,6 +89,11 @@ def _training_and_checkpoints(rank, root):
     done.train(EPOCHS, progress=False)
     done.export_model(root / "export.pt")
     straight = outcome(done)
+    # Weights alone into a sharded model: the exported file, and a checkpoint directory with resume=False.
+    from_file, from_dir = build(PER_RANK), build(PER_RANK)
+    from_file.load_model(root / "export.pt")
+    assert from_dir.load_checkpoint(root / "straight" / "epoch-0004.ckpt", resume=False) == EPOCHS
+    loaded = [outcome(h)["weights"] for h in (from_file, from_dir)]
 
     # Stopped after 2 epochs, then a new handler (a rerun of the script) continues with resume="auto".
     build(PER_RANK, checkpoint_dir=root / "split").train(2, progress=False)
@@ -104,7 +109,7 @@ def _training_and_checkpoints(rank, root):
     fsdp_to_ddp = build(PER_RANK, "ddp", resume=root / "for_one_rank" / "epoch-0002.ckpt")
     fsdp_to_ddp.train(EPOCHS, progress=False)
     return {"straight": straight, "resumed": outcome(resumed), "ddp_to_fsdp": outcome(ddp_to_fsdp),
-            "fsdp_to_ddp": outcome(fsdp_to_ddp)}
+            "fsdp_to_ddp": outcome(fsdp_to_ddp), "loaded": loaded}
 
 
 def test_fsdp_trains_checkpoints_reshards_and_exports(tmp_path, single):
@@ -115,6 +120,8 @@ def test_fsdp_trains_checkpoints_reshards_and_exports(tmp_path, single):
     assert_close(results[0]["ddp_to_fsdp"], straight)
     assert_close(results[0]["fsdp_to_ddp"], straight)
     assert_close(results[1]["straight"], straight, exact=True)  # every rank reports the same
+    for weights in results[0]["loaded"]:
+        torch.testing.assert_close(weights, straight["weights"], rtol=0, atol=0)
 
     # Checkpoints are directories (one shard file per rank, the metadata last), pruned to keep_last=2.
     ckpts = list_run_checkpoints(tmp_path / "straight")
@@ -132,6 +139,31 @@ def test_fsdp_trains_checkpoints_reshards_and_exports(tmp_path, single):
     one = build(2 * PER_RANK, checkpoint_dir=tmp_path / "for_one_rank", resume="auto")
     one.train(EPOCHS, progress=False)
     assert_close(outcome(one), straight)
+
+
+def _preempted_mid_epoch(rank, root):
+    from nn_handler import TrainingPreempted
+    from scripts.scale_case import AtStep, sigterm_to
+
+    straight = build(PER_RANK)
+    straight.train(EPOCHS, progress=False)
+    # SIGTERM to rank 1 after step 7 (epoch 2, 4 of its 10 batches): every rank stops there, sharded.
+    first = build(PER_RANK, checkpoint_dir=root, preemption_check_every=1,
+                  callbacks=[AtStep(7, sigterm_to(os.getpid), rank=1, accum=ACCUM)])
+    try:
+        first.train(EPOCHS, progress=False)
+    except TrainingPreempted as exc:
+        stopped = (Path(exc.checkpoint).name, exc.epoch, exc.batches)
+    resumed = build(PER_RANK, checkpoint_dir=root, resume="auto")
+    resumed.train(EPOCHS, progress=False)
+    return {"stopped": stopped, "straight": outcome(straight), "resumed": outcome(resumed)}
+
+
+def test_a_preemption_mid_epoch_writes_a_sharded_checkpoint_that_resumes_exactly(tmp_path):
+    results = _check(run_distributed(_preempted_mid_epoch, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    for r in results:
+        assert r["stopped"] == ("epoch-0002-batch-000004.ckpt", 2, 4)
+        assert_close(r["resumed"], r["straight"], exact=True)
 
 
 def _killed_mid_save(rank, root):
