@@ -53,8 +53,13 @@ def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> Non
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(module)}
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
+    except BaseException:
+        if parts.is_main_process:  # DCP raised on every rank: nothing writes into it any more
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     meta = dict(payload)
     meta["model"] = {}
     if meta.get("optimizer") is not None:  # the param groups alone: resume checks their sizes before loading
@@ -87,8 +92,12 @@ def _commit(tmp: Path, path: Path, meta: dict[str, Any]) -> None:
         os.replace(path, old)
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if old is None:
+        return
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resume: bool) -> bool:
@@ -107,7 +116,7 @@ def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resu
     """
     with_optimizer = resume and parts.optimizer is not None and payload.get("optimizer") is not None
     if payload.get("sharded") is not None:
-        _load_directory(parts, Path(path), with_optimizer and payload["sharded"].get("optimizer", False))
+        _load_directory(parts, Path(path), with_optimizer)
         return with_optimizer
     if SH.is_sharded(parts.module):
         SH.load_full_state(parts.module, payload["model"], parts.optimizer if with_optimizer else None,

@@ -136,3 +136,21 @@ def test_an_unfinished_directory_is_not_a_checkpoint(tmp_path):
     assert list_run_checkpoints(tmp_path) == []
     with pytest.raises(CheckpointError, match=r"no checkpoint at .*epoch-0001.ckpt/nn_handler.pt"):
         handler.load_checkpoint(tmp_path / "epoch-0001.ckpt")
+
+
+def test_a_failed_sharded_write_leaves_the_previous_checkpoint_and_no_temp_dir(tmp_path, monkeypatch):
+    import nn_handler._training.sharded_checkpoint as sharded
+
+    handler = make_handler(strategy="fsdp")
+    path = tmp_path / "c.ckpt"
+    handler.save_checkpoint(path)
+    before = sorted(os.listdir(path))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded.dcp, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        handler.save_checkpoint(path)
+    assert sorted(os.listdir(tmp_path)) == ["c.ckpt"] and sorted(os.listdir(path)) == before
+    assert make_handler(strategy="fsdp").load_checkpoint(path) == 0
