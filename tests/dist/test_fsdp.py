@@ -175,7 +175,8 @@ def _killed_mid_save(rank, root):
 
     class KillDuringSecondSave(Callback):
         def on_save_checkpoint(self, handler, payload):
-            if payload["epoch"] == 2 and rank == 1:
+            # Rank 0: the rank that would clean up after a failed write dies with the job.
+            if payload["epoch"] == 2 and rank == 0:
                 write = FileSystemWriter.write_data
 
                 def write_then_die(self, *args, **kwargs):
