@@ -79,6 +79,8 @@ def test_one_process_trains_the_plain_model_and_writes_directories_that_resume(t
     assert ckpt.is_dir() and (ckpt / SHARDED_META).is_file() and (ckpt / ".metadata").is_file()
     meta = load_payload(ckpt)  # the metadata: plain values, loadable with weights_only
     assert meta["epoch"] == 2 and meta["model"] == {} and meta["sharded"] == {"world_size": 1, "optimizer": True}
+    assert meta["global_step"] == 16 and meta["scheduler"]["last_epoch"] == 2 and len(meta["rng"]) == 1
+    assert meta["history"]["epoch"] == [1, 2] and meta["run"]["seq"] == 2
 
     straight = make_handler(strategy="fsdp", seed=3)
     straight.set_train_loader((X, y), batch_size=8)
