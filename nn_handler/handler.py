@@ -143,7 +143,7 @@ class NNHandler:
             ``NN_HANDLER_STALL_TIMEOUT``, else 300 s); also retunes the watchdog of your own ``initialize_ddp()``.
 
     Attributes:
-        model: The model as trained (wrapped in DDP when distributed).
+        model: The model as trained (DDP-wrapped when distributed; under FSDP the module itself, sharded).
         module: The model itself, unwrapped (for saving and inspection).
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).

@@ -40,8 +40,8 @@ from .parts import Parts
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .resume import save_run_checkpoint
-from .state import TrainingState
 from .sharding import can_pause_sync, gradient_sync_paused
+from .state import TrainingState
 from .step import Step
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ from ..checkpoint import (
 )
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
 from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
+from . import sharded_checkpoint
 from .config import TrainingConfig
 from .data import sampler_generator
-from . import sharded_checkpoint
 from .parts import Parts
 from .state import TrainingState
 
