@@ -6,13 +6,21 @@ contender runs in the same processes, interleaved round by round, so machine
 noise hits them alike; the figure is the median steps/s over the rounds,
 each round timing one 200-step epoch after a warm-up epoch.
 
-    python benchmarks/bench_training.py [--rounds 3] [--steps 200] [--procs 1 2] [--hidden 1024]
+    python benchmarks/bench_training.py [--rounds 3] [--steps 200] [--procs 1 2] [--hidden 1024] \
+        [--strategy ddp|fsdp|both]
 
 ``--hidden 64`` gives a small model whose step is bound by the trainer's
 per-step overhead rather than by the matrix products: the figure to watch
 when the loop changes.
 
-Target (issue 5): NNHandler >= 0.97x the hand-written loop's steps/s.
+Target: NNHandler >= 0.97x the hand-written loop's steps/s.
+
+``--strategy fsdp`` times ``NNHandler(strategy="fsdp")`` against a
+hand-written FSDP2 loop (``fully_shard`` on every layer, then the root, as
+NNHandler's default policy does); ``both`` runs the DDP and the FSDP pairs in
+the same processes, so the two overheads (each NNHandler against its own
+hand-written loop) compare under the same noise. Target: FSDP's overhead no
+larger than DDP's.
 
 Fabric and Accelerate are not project requirements; to include them without
 touching the environment, install them into a scratch directory:
@@ -28,6 +36,7 @@ gradient_as_bucket_view=True, torch's and the hand-written loop's False).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -93,14 +102,55 @@ def _hand_written(steps: int):
     return epoch
 
 
-def _nn_handler(steps: int):
+def _hand_written_fsdp(steps: int):
+    """The hand-written loop with FSDP2 when launched: ``fully_shard`` on each layer with parameters, then the root."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    # One process has no group: the plain model, as NNHandler(strategy="fsdp") trains it there.
+    distributed = dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    torch.manual_seed(0)
+    model = _model()
+    if distributed:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    data = _data(steps, world)
+    sampler = DistributedSampler(data) if distributed else None
+    loader = DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler)
+
+    def epoch(e):
+        if sampler is not None:
+            sampler.set_epoch(e)
+        model.train()
+        total = torch.zeros(())
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+        return total.item()
+
+    return epoch
+
+
+def _nn_handler(steps: int, strategy: str = "auto"):
     import torch
     from torch import nn
 
     from nn_handler import NNHandler
 
     torch.manual_seed(0)
-    handler = NNHandler(_model(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.01}, device="cpu")
+    handler = NNHandler(_model(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.01}, device="cpu",
+                        strategy=strategy)
     handler.set_train_loader(_data(steps, handler.world_size), batch_size=BATCH, shuffle=True)
 
     def epoch(e):
@@ -175,7 +225,15 @@ CONTENDERS = {
     "NNHandler": (_nn_handler, ()),
     "Lightning Fabric": (_fabric, ("lightning", "lightning_fabric")),
     "Accelerate": (_accelerate, ("accelerate",)),
+    "hand-written FSDP": (_hand_written_fsdp, ()),
+    "NNHandler FSDP": (functools.partial(_nn_handler, strategy="fsdp"), ()),
 }
+FSDP = ("hand-written FSDP", "NNHandler FSDP")
+
+
+def _baseline(name: str) -> str:
+    """Each contender is compared with the hand-written loop of its own strategy."""
+    return "hand-written FSDP" if name in FSDP else "hand-written"
 
 
 def _body(rank: int, names: list[str], steps: int, rounds: int, hidden: int) -> dict[str, list[float]]:
@@ -216,11 +274,14 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--hidden", type=int, default=1024,
                         help="width of the two hidden layers (64: a small, overhead-bound model)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
+                        help="DDP contenders, the FSDP pair (NNHandler and a hand-written fully_shard loop), or both")
     args = parser.parse_args()
     global SIZES
     SIZES = (SIZES[0], args.hidden, args.hidden, SIZES[-1])
-    names = [n for n, (_, mods) in CONTENDERS.items() if not mods or _installed(*mods)]
-    skipped = [n for n in CONTENDERS if n not in names]
+    wanted = [n for n in CONTENDERS if (n in FSDP) == (args.strategy == "fsdp") or args.strategy == "both"]
+    names = [n for n in wanted if not CONTENDERS[n][1] or _installed(*CONTENDERS[n][1])]
+    skipped = [n for n in wanted if n not in names]
     print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "
           f"{args.rounds} timed rounds, gloo, 1 thread/process")
     if skipped:
@@ -234,11 +295,11 @@ def main() -> None:
         rates = results[0]
         medians = {name: statistics.median(rates[name]) for name in names}
         # Paired: each round's rate against the hand-written loop's in the same round.
-        ratios = {name: statistics.median(a / b for a, b in zip(rates[name], rates["hand-written"])) for name in names}
+        ratios = {name: statistics.median(a / b for a, b in zip(rates[name], rates[_baseline(name)])) for name in names}
         print(f"\n{nprocs} process{'es' if nprocs > 1 else ''}:")
         for name in names:
             rounds = ", ".join(f"{v:.1f}" for v in rates[name])
-            print(f"  {name:<17} {medians[name]:7.1f} steps/s  {ratios[name]:.3f}x hand-written (median of "
+            print(f"  {name:<17} {medians[name]:7.1f} steps/s  {ratios[name]:.3f}x {_baseline(name)} (median of "
                   f"per-round ratios); rounds: {rounds}")
         print("JSON " + json.dumps({"nprocs": nprocs, "median_steps_per_s": medians, "median_ratio": ratios,
                                     "rounds": {n: rates[n] for n in names}}))

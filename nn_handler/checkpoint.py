@@ -24,6 +24,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import uuid
 import zipfile
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 #: Written into every handler checkpoint, so a foreign file is named as such.
 FORMAT = "nn_handler.checkpoint/1"
 _TMP_MARK = ".tmp."
+TMP_MARK = _TMP_MARK
+#: In a sharded checkpoint directory (``strategy="fsdp"``): everything but the weights, written last.
+SHARDED_META = "nn_handler.pt"
 
 
 def is_temp_file(path: str | os.PathLike) -> bool:
@@ -115,10 +119,10 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not possible on every platform (Windows).
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -158,6 +162,8 @@ def load_payload(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bo
         nn_handler.errors.CheckpointError: no checkpoint at /nonexistent/x.ckpt
     """
     path = Path(path)
+    if path.is_dir():  # a sharded checkpoint: its metadata file (the weights are DCP's files beside it)
+        path = path / SHARDED_META
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     size = path.stat().st_size
@@ -287,6 +293,12 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
         ...
         nn_handler.errors.CheckpointMismatchError: other.pt does not fit Linear: shapes differ: weight (checkpoint (2, 3), model (2, 2))
     """
+    check_weights(model, state_dict, source=source)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def check_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str = "checkpoint") -> None:
+    """Raise :class:`~nn_handler.CheckpointMismatchError` naming every key of ``state_dict`` that does not fit ``model``."""
     missing, unexpected, mismatched = state_dict_diff(model.state_dict(), state_dict)
     if missing or unexpected or mismatched:
         parts = []
@@ -303,7 +315,6 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, Any], *, source: str
             f"{source} does not fit {type(model).__name__}: " + "; ".join(parts) + hint,
             missing, unexpected, mismatched,
         )
-    model.load_state_dict(state_dict, strict=True)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -362,7 +373,9 @@ def _as_tuple(value):
 def list_checkpoints(dirpath: str | os.PathLike, pattern: str = "*.ckpt") -> list[Path]:
     """Complete checkpoint files in ``dirpath``, oldest first (by modification time, then name).
 
-    Temporary files of an interrupted :func:`atomic_save` are skipped.
+    Temporary files of an interrupted :func:`atomic_save` are skipped. A
+    sharded checkpoint (a directory, ``strategy="fsdp"``) counts once its
+    metadata file :data:`SHARDED_META` is in it.
 
     Example:
         >>> list_checkpoints("/nonexistent")
@@ -371,7 +384,7 @@ def list_checkpoints(dirpath: str | os.PathLike, pattern: str = "*.ckpt") -> lis
     d = Path(dirpath)
     if not d.is_dir():
         return []
-    found = [p for p in d.glob(pattern) if p.is_file() and not is_temp_file(p)]
+    found = [p for p in d.glob(pattern) if (p.is_file() or (p / SHARDED_META).is_file()) and not is_temp_file(p)]
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
@@ -521,7 +534,7 @@ def prune_run_checkpoints(dirpath: str | os.PathLike, keep_last: int, *, run_id:
     removed = []
     for path in own[:-keep_last] if keep_last > 0 else []:
         try:
-            path.unlink()
+            _remove(path)
             removed.append(path)
         except FileNotFoundError:
             pass
@@ -543,8 +556,16 @@ def remove_stale_temp_files(dirpath: str | os.PathLike) -> list[Path]:
         name = path.name
         if is_temp_file(path) and _RUN_NAME.match(name[1:name.index(_TMP_MARK)]):
             try:
-                path.unlink()
+                _remove(path)
                 removed.append(path)
             except OSError as exc:
                 log.warning("could not delete the stale temporary file %s: %s", path, exc)
     return removed
+
+
+def _remove(path: Path) -> None:
+    # A sharded checkpoint (or its interrupted write) is a directory.
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

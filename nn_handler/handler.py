@@ -45,10 +45,12 @@ from ._training import resume as R
 from ._training.config import Resume, TrainingConfig, config_property, seed_everything
 from ._training.loop import Loop
 from ._training.parts import Parts
+from ._training.sharded_checkpoint import load_model
+from ._training.sharding import full_model_state, shard_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
-from .checkpoint import FORMAT, load_payload, load_weights
-from .errors import CheckpointError, ConfigurationError
+from .checkpoint import load_payload
+from .errors import ConfigurationError
 from .history import History
 from .utils._stall import current as stall_watchdog
 from .utils._stall import resolve_stall_timeout, set_timeout as set_stall_timeout
@@ -127,12 +129,21 @@ class NNHandler:
         preemption_check_every: Agree on "a rank got SIGTERM" every this many
             optimizer steps (a one-int collective); by default about once a
             second of training, whatever the step time (see :mod:`nn_handler._training.preemption`).
+        strategy: ``"auto"`` or ``"ddp"``: every rank holds the whole model (DDP). ``"fsdp"``: FSDP2 (``fully_shard``)
+            shards parameters, gradients and optimizer state over the ranks; ``amp`` becomes a
+            ``MixedPrecisionPolicy`` (bf16 parameters, fp32 gradient reduction); checkpoints are directories
+            written by every rank with ``torch.distributed.checkpoint`` that resume on any number of ranks (see
+            :meth:`export_model` for one file of weights). One process (no group) trains the plain model.
+        fsdp_wrap: Module classes (e.g. ``{Block}``) whose instances are sharded each on their own, then the
+            root; by default every child of the model that holds parameters.
+        fsdp_kwargs: ``reshard_after_forward`` (True: free the gathered parameters after forward) and
+            ``cpu_offload`` (keep shards in CPU memory on a GPU run; False by default).
         stall_timeout: Seconds a rank may wait in a collective for a missing rank before every rank raises
             :class:`~nn_handler.CollectiveStallError` with a report (``None``: no watchdog; ``"env"``:
             ``NN_HANDLER_STALL_TIMEOUT``, else 300 s); also retunes the watchdog of your own ``initialize_ddp()``.
 
     Attributes:
-        model: The model as trained (wrapped in DDP when distributed).
+        model: The model as trained (DDP-wrapped when distributed; under FSDP the module itself, sharded).
         module: The model itself, unwrapped (for saving and inspection).
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).
@@ -147,7 +158,8 @@ class NNHandler:
             ``clip_grad_norm``, unknown ``ddp_kwargs``, metrics that are not
             callables, an optimizer that holds none of the model's parameters,
             ``resume="auto"`` without a ``checkpoint_dir``, ``overwrite``
-            without a ``checkpoint_dir`` or with ``resume="auto"``.
+            without a ``checkpoint_dir`` or with ``resume="auto"``, an unknown ``strategy``, ``fsdp_wrap`` that
+            is not module classes, ``fsdp_*`` settings without ``strategy="fsdp"`` (or ``ddp_kwargs`` with it).
 
     Example:
         >>> from torch import nn
@@ -183,12 +195,16 @@ class NNHandler:
         preemption_check_every: int | None = None,
         overwrite: bool = False,
         stall_timeout: float | None | str = "env",
+        strategy: str = "auto",
+        fsdp_wrap: Any = None,
+        fsdp_kwargs: Mapping[str, Any] | None = None,
     ):
         self.config = TrainingConfig.from_arguments(
             grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
             metrics=metrics, amp=amp, seed=seed, sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs,
             checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
-            preemption_check_every=preemption_check_every)
+            preemption_check_every=preemption_check_every, strategy=strategy, fsdp_wrap=fsdp_wrap,
+            fsdp_kwargs=fsdp_kwargs)
         # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
@@ -212,6 +228,9 @@ class NNHandler:
                 f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
                 f"leave it False here: each rank then normalizes with its own batch statistics"
             )
+        if self.config.fsdp_kwargs.get("cpu_offload") and self.device.type != "cuda":
+            raise ConfigurationError(f"fsdp_kwargs['cpu_offload']=True keeps the shards of a GPU run in CPU memory; "
+                                     f"this run is on {self.device.type}: leave it False")
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
         # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.
@@ -254,6 +273,7 @@ class NNHandler:
     keep_last = config_property("keep_last")
     overwrite = config_property("overwrite")
     preemption_check_every = config_property("preemption_check_every")
+    strategy = config_property("strategy")
 
     @property
     def module(self) -> nn.Module:
@@ -273,7 +293,11 @@ class NNHandler:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
+        if self.config.strategy == "fsdp" and self.distributed:
+            self.model = shard_model(unwrap_parallel_model(model), self.device, self.config.amp,
+                                     self.config.fsdp_wrap, self.config.fsdp_kwargs)
+        else:
+            self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
         if self._optimizer_factory is not None:
             self.optimizer = self._build_optimizer(self._optimizer_factory)
         elif self.optimizer is not None:
@@ -308,7 +332,8 @@ class NNHandler:
             theirs = [p for group in optimizer.param_groups for p in group["params"]]
             if not any(id(p) in mine for p in theirs):
                 raise ConfigurationError(
-                    "the optimizer holds none of the model's parameters (was it built for another model?); "
+                    "the optimizer holds none of the model's parameters (was it built for another model, or "
+                    "before strategy='fsdp' sharded it?); "
                     "pass the optimizer class instead, e.g. optimizer=torch.optim.SGD, optimizer_kwargs={'lr': 0.1}"
                 )
             self._optimizer_factory = None
@@ -522,7 +547,7 @@ class NNHandler:
         """Load a checkpoint written by :meth:`save_checkpoint`, on every rank.
 
         Args:
-            path: The file.
+            path: The file (or, from a ``strategy="fsdp"`` run, the directory).
             resume: Restore the full training state (optimizer, scheduler,
                 scaler, epoch, step, History, RNG states, callbacks) so that
                 :meth:`train` continues exactly where the run stopped;
@@ -543,8 +568,16 @@ class NNHandler:
         return epoch
 
     def save_model(self, path: str | os.PathLike) -> None:
-        """Write the unwrapped model's ``state_dict`` alone, atomically, from rank 0; call it on every rank."""
-        R.write_on_main(self._parts(), self.module.state_dict(), path, "model")
+        """Write the model's ``state_dict`` alone, atomically, from rank 0 (as :meth:`export_model`); call it on every rank."""
+        self.export_model(path)
+
+    def export_model(self, path: str | os.PathLike) -> None:
+        """Write the whole model's ``state_dict`` as one file, from rank 0; call it on every rank.
+
+        Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
+        ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
+        """
+        R.write_on_main(self._parts(), full_model_state(self.module), path, "model")
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
@@ -553,12 +586,7 @@ class NNHandler:
             CheckpointError: A missing, corrupt or truncated file.
             CheckpointMismatchError: Weights that do not fit the model (keys named).
         """
-        payload = load_payload(path)
-        if isinstance(payload, dict) and payload.get("format") == FORMAT:
-            payload = payload["model"]
-        if not isinstance(payload, Mapping):
-            raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a state_dict")
-        load_weights(self.module, payload, source=str(path))
+        load_model(self._parts(), path)
 
     def plot_history(self, path: str | os.PathLike) -> None:
         """Save a PNG of the loss and metric curves (main process only; others return at once).
@@ -657,7 +685,8 @@ class NNHandler:
         return Parts(view=self, model=self.model, module=self.module, optimizer=self.optimizer,
                      scheduler=self.scheduler, scaler=self.scaler, loss_fn=self.loss_fn,
                      train_loader=self.train_loader, val_loader=self.val_loader, callbacks=self.callbacks,
-                     device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size)
+                     device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size,
+                     strategy=self.config.strategy)
 
     def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
         return D.make_loader(data, loader_kwargs, self._parallel, shuffle=shuffle, seed=self.config.seed)

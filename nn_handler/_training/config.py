@@ -14,9 +14,11 @@ from typing import Any, Callable, Literal, Mapping, Union
 
 import torch
 
-from .._checks import check_bool, check_int, check_number, invalid
+from .._checks import check_bool, check_choice, check_int, check_number, invalid
 from ..errors import ConfigurationError
 
+STRATEGIES = ("auto", "ddp", "fsdp")
+FSDP_KEYS = ("reshard_after_forward", "cpu_offload")
 DDP_KEYS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb", "broadcast_buffers")
 Resume = Union[Literal["auto"], str, os.PathLike, None]
 
@@ -47,6 +49,9 @@ class TrainingConfig:
     keep_last: int = 2
     overwrite: bool = False
     preemption_check_every: int | None = None
+    strategy: str = "ddp"  # "auto" resolves to "ddp"
+    fsdp_wrap: tuple = ()  # module classes to shard on their own; () = every child with parameters
+    fsdp_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_arguments(
@@ -54,7 +59,8 @@ class TrainingConfig:
         metrics: Mapping[str, Callable] | None = None, amp: bool = False, seed: int | None = None,
         sync_batchnorm: bool = False, ddp_kwargs: Mapping[str, Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, resume: Resume = None, keep_last: int = 2,
-        overwrite: bool = False, preemption_check_every: int | None = None,
+        overwrite: bool = False, preemption_check_every: int | None = None, strategy: str = "auto",
+        fsdp_wrap: Any = None, fsdp_kwargs: Mapping[str, Any] | None = None,
     ) -> "TrainingConfig":
         """Check every knob (the first mistake raises :class:`~nn_handler.ConfigurationError`) and freeze them."""
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
@@ -77,11 +83,52 @@ class TrainingConfig:
         unknown = sorted(set(ddp_kwargs or {}) - set(DDP_KEYS))
         if unknown:
             raise ConfigurationError(f"unknown ddp_kwargs {unknown}; allowed: {', '.join(DDP_KEYS)}")
-        return cls(grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
+        strategy = "ddp" if check_choice("strategy", strategy, STRATEGIES) == "auto" else strategy
+        _check_strategy(strategy, fsdp_wrap, fsdp_kwargs, ddp_kwargs, sync_batchnorm)
+        return cls(strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
+                   grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
                    finite_check_every=finite_check_every, metrics=metrics, amp=bool(amp), seed=seed,
                    sync_batchnorm=bool(sync_batchnorm), ddp_kwargs=dict(ddp_kwargs or {}), checkpoint_dir=directory,
                    resume=resume, keep_last=keep_last, overwrite=overwrite,
                    preemption_check_every=preemption_check_every)
+
+
+def _check_strategy(strategy: str, wrap: Any, fsdp_kwargs: Any, ddp_kwargs: Any, sync_batchnorm: bool) -> None:
+    if strategy != "fsdp":
+        for name, value in (("fsdp_wrap", wrap), ("fsdp_kwargs", fsdp_kwargs)):
+            if value:
+                raise ConfigurationError(f"{name} applies to strategy='fsdp' only (this handler's strategy is "
+                                         f"{strategy!r}): pass strategy='fsdp', or drop {name}")
+        return
+    if ddp_kwargs or sync_batchnorm:
+        what = "ddp_kwargs" if ddp_kwargs else "sync_batchnorm=True"
+        raise ConfigurationError(f"{what} applies to strategy='ddp'; with strategy='fsdp' use fsdp_kwargs "
+                                 f"({', '.join(FSDP_KEYS)}) or drop it")
+    if fsdp_kwargs is not None and not isinstance(fsdp_kwargs, Mapping):
+        raise invalid("fsdp_kwargs", f"a dict with keys among {', '.join(FSDP_KEYS)}", fsdp_kwargs)
+    fsdp_kwargs = dict(fsdp_kwargs or {})
+    unknown = sorted(set(fsdp_kwargs) - set(FSDP_KEYS))
+    if unknown:
+        raise ConfigurationError(f"unknown fsdp_kwargs {unknown}; allowed: {', '.join(FSDP_KEYS)}")
+    reshard = fsdp_kwargs.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool):
+        check_int("fsdp_kwargs['reshard_after_forward']", reshard, minimum=1)
+    check_bool("fsdp_kwargs['cpu_offload']", fsdp_kwargs.get("cpu_offload", False))
+
+
+def _wrap_classes(wrap: Any) -> tuple:
+    """``fsdp_wrap`` as a tuple of ``nn.Module`` subclasses (a single class is accepted too)."""
+    if wrap is None:
+        return ()
+    classes = (wrap,) if isinstance(wrap, type) else wrap
+    try:
+        classes = tuple(classes)
+    except TypeError:
+        classes = None
+    if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise invalid("fsdp_wrap", "a set of torch.nn.Module subclasses (e.g. {TransformerBlock}) or None", wrap,
+                      "classes, not instances: every submodule of those classes is sharded on its own")
+    return classes
 
 
 def _checked_metrics(metrics: Any) -> dict[str, Callable]:

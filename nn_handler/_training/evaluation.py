@@ -24,6 +24,7 @@ from . import data as D
 from . import metrics as M
 from .config import TrainingConfig
 from .parts import Parts
+from .sharding import is_sharded
 from .step import autocast_context
 
 
@@ -38,6 +39,8 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     losses, sizes = [], []
     metric_values: list[list] = [[] for _ in metrics]
     seen = 0
+    # A sharded model's forward is a collective: every rank runs it on every batch, padding included.
+    lockstep = is_sharded(module) and parts.in_group
     try:
         # The unwrapped module: DDP's forward is not needed without
         # gradients, and avoiding it keeps evaluation free of collectives.
@@ -49,9 +52,11 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
                 n = D.batch_size_of(inputs, targets)
                 keep = n if real is None else min(n, real - seen)
                 seen += n
-                if keep <= 0:
+                if keep <= 0 and not lockstep:
                     break  # only DistributedSampler padding is left
                 outputs = module(inputs)
+                if keep <= 0:
+                    continue
                 if keep < n:
                     outputs, targets = D.head(outputs, keep), D.head(targets, keep)
                 losses.append(loss_fn(outputs, targets).detach())

@@ -27,7 +27,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from .._tree import to_device
 from ..errors import ConfigurationError, NonFiniteLossError
@@ -41,6 +40,7 @@ from .parts import Parts
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .resume import save_run_checkpoint
+from .sharding import can_pause_sync, gradient_sync_paused
 from .state import TrainingState
 from .step import Step
 
@@ -163,7 +163,7 @@ class Loop:
             n_batches = None
         # Skipping the all-reduce needs to know which micro-step is the last
         # of an epoch; without a length every micro-step synchronizes.
-        no_sync = isinstance(model, DistributedDataParallel) and k > 1 and n_batches is not None
+        no_sync = can_pause_sync(model) and k > 1 and n_batches is not None
         # Checking a loss on the host costs a CPU-GPU sync: by default only
         # where that is free (a single CPU process); elsewhere at epoch end.
         check_each_step = not parts.distributed and (
@@ -201,7 +201,7 @@ class Loop:
                         raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
                     micro += 1
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
-                    with model.no_sync() if no_sync and not boundary else contextlib.nullcontext():
+                    with gradient_sync_paused(model) if no_sync and not boundary else contextlib.nullcontext():
                         outputs, loss = step.forward(inputs, targets)
                         if check_each_step and not torch.isfinite(loss):
                             raise NonFiniteLossError(epoch, i, float(loss.detach()))

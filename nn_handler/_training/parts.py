@@ -35,6 +35,7 @@ class Parts:
     distributed: bool
     rank: int
     world_size: int
+    strategy: str = "ddp"  # "fsdp": sharded model (in a group) and sharded checkpoint directories
 
     @property
     def in_group(self) -> bool:

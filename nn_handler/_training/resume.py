@@ -23,7 +23,6 @@ from ..checkpoint import (
     atomic_save,
     capture_rng_state,
     load_payload,
-    load_weights,
     prune_run_checkpoints,
     read_run_info,
     remove_stale_temp_files,
@@ -34,6 +33,7 @@ from ..checkpoint import (
 )
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
 from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
+from . import sharded_checkpoint
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import Parts
@@ -82,7 +82,10 @@ def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | Non
                               "ranks": [{k: v for k, v in p.items() if k != "batches"} for _, p in everyone]}
     for cb in parts.callbacks:
         cb.on_save_checkpoint(parts.view, payload)
-    write_on_main(parts, payload, path, "checkpoint")
+    if parts.strategy == "fsdp":
+        sharded_checkpoint.write(parts, payload, path)
+    else:
+        write_on_main(parts, payload, path, "checkpoint")
 
 
 def save_run_checkpoint(parts: Parts, config: TrainingConfig, state: TrainingState,
@@ -252,10 +255,10 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     """
     if resume:
         _check_resumable(parts, payload, path)
-    load_weights(parts.module, payload["model"], source=str(path))
+    optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
     if not resume:
         return int(payload["epoch"])
-    for name, part, target in (("optimizer", payload["optimizer"], parts.optimizer),
+    for name, part, target in (("optimizer", None if optimizer_loaded else payload["optimizer"], parts.optimizer),
                                ("scheduler", payload["scheduler"], parts.scheduler),
                                ("scaler", payload["scaler"], parts.scaler)):
         if part is not None and target is None:

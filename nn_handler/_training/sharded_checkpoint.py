@@ -1,0 +1,172 @@
+"""Sharded checkpoints (``strategy="fsdp"``): a directory written by every rank with ``torch.distributed.checkpoint``.
+
+Layout of ``epoch-0003.ckpt/``: DCP's files (``.metadata``, one
+``__<rank>_0.distcp`` per rank) holding ``{"model": ..., "optimizer": ...}``
+(by parameter name, so they load on any number of ranks, sharded or not),
+and :data:`~nn_handler.checkpoint.SHARDED_META`: everything else a resume
+needs (scheduler, epoch, step, History, RNG states, callbacks, run id), as
+the checkpoint builder of :mod:`nn_handler._training.resume` made it, with
+the weights left out.
+
+The commit is atomic: every rank writes into a temporary directory beside
+the destination (a name :func:`~nn_handler.checkpoint.is_temp_file`
+recognizes), rank 0 writes the metadata file last and renames the
+directory into place. A process killed mid-save leaves a temporary
+directory, never a directory under a checkpoint's name, so the previous
+checkpoint stays the newest; ``resume="auto"`` deletes the leftover.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+from ..checkpoint import (FORMAT, SHARDED_META, TMP_MARK, atomic_save, check_weights, fsync_dir, load_payload,
+                          load_weights)
+from ..errors import CheckpointError
+from ..utils._collectives import run_on_ranks, side_group
+from . import sharding as SH
+from .parts import Parts
+
+
+def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write ``payload`` as a sharded checkpoint directory at ``path``; call it on every rank."""
+    path = Path(path)
+    tmp = _on_main(parts, functools.partial(_make_temp_dir, path), f"creating a directory beside {path}",
+                   broadcast=True)
+    module, optimizer = parts.module, parts.optimizer
+    if optimizer is not None:
+        model_state, optimizer_state = get_state_dict(module, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(module)}
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
+    except BaseException:
+        if parts.is_main_process:  # DCP raised on every rank: nothing writes into it any more
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meta = dict(payload)
+    meta["model"] = {}
+    if meta.get("optimizer") is not None:  # the param groups alone: resume checks their sizes before loading
+        meta["optimizer"] = {"state": {}, "param_groups": meta["optimizer"]["param_groups"]}
+    meta["sharded"] = {"world_size": parts.world_size, "optimizer": optimizer is not None}
+    _on_main(parts, functools.partial(_commit, Path(tmp), path, meta), f"the commit of the checkpoint {path}")
+
+
+def _on_main(parts: Parts, fn, what: str, broadcast: bool = False) -> Any:
+    """``fn()`` on rank 0 alone; when it fails there, every rank raises."""
+    if not parts.in_group:
+        return fn()
+    return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=lambda err: CheckpointError(
+        f"rank 0 failed at {what}; see rank 0's error"))
+
+
+def _make_temp_dir(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    return str(tmp)
+
+
+def _commit(tmp: Path, path: Path, meta: dict[str, Any]) -> None:
+    # The metadata file last: a directory without it was never complete.
+    atomic_save(meta, tmp / SHARDED_META)
+    old = None
+    if path.exists():  # a directory cannot be renamed over a non-empty one: move the old aside first
+        old = path.with_name(f".{path.name}{TMP_MARK}old.{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old is None:
+        return
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resume: bool) -> bool:
+    """Load the weights of ``payload`` (and with ``resume`` the optimizer) into ``parts``; call it on every rank.
+
+    Handles every pairing of checkpoint and model: a sharded directory into a
+    sharded or a plain model (any number of ranks), a single file into a
+    sharded model, a single file into a plain one.
+
+    Returns:
+        True when the optimizer state was loaded here too.
+
+    Raises:
+        CheckpointMismatchError: The weights do not fit the model (keys named).
+        CheckpointError: DCP could not read the directory.
+    """
+    with_optimizer = resume and parts.optimizer is not None and payload.get("optimizer") is not None
+    if payload.get("sharded") is not None:
+        _load_directory(parts, Path(path), with_optimizer)
+        return with_optimizer
+    if SH.is_sharded(parts.module):
+        SH.load_full_state(parts.module, payload["model"], parts.optimizer if with_optimizer else None,
+                           payload["optimizer"] if with_optimizer else None, source=str(path))
+        return with_optimizer
+    load_weights(parts.module, payload["model"], source=str(path))
+    return False
+
+
+def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
+    module = parts.module
+    # Names and shapes from DCP's metadata first: a checkpoint that does not
+    # fit is refused by name before anything is loaded.
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    shapes = {k[len("model."):]: torch.empty(tuple(getattr(v, "size", ())), device="meta")
+              for k, v in saved.items() if k.startswith("model.")}
+    check_weights(module, shapes, source=str(path))
+    if with_optimizer:
+        model_state, optimizer_state = get_state_dict(module, parts.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(module)}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not parts.in_group)
+    except Exception as exc:
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {exc}") from exc
+    if with_optimizer:
+        set_state_dict(module, parts.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(module, state["model"])
+
+
+def load_model(parts: Parts, path: str | os.PathLike) -> None:
+    """:meth:`NNHandler.load_model`: weights from a ``state_dict`` file, a checkpoint file or a checkpoint directory."""
+    payload = load_payload(path)
+    if isinstance(payload, dict) and payload.get("format") == FORMAT:
+        load(parts, payload, path, resume=False)
+        return
+    if not isinstance(payload, Mapping):
+        raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a state_dict")
+    load(parts, {"model": payload}, path, resume=False)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    # DCP warns that it "assumes the intent is to load in a single process"
+    # when there is no group: exactly the case of a run on one process.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

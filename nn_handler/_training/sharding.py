@@ -1,0 +1,146 @@
+"""``strategy="fsdp"``: FSDP2 (``fully_shard``) applied by a policy, its gradient-sync toggle, full state dicts.
+
+:func:`shard_model` applies :func:`torch.distributed.fsdp.fully_shard` to
+the submodules a policy names, then to the root, so that each rank holds
+only its shard of the parameters, gradients and optimizer state. The
+module is sharded in place: it stays the model (no wrapper around it), its
+parameters become ``DTensor`` shards, and its forward all-gathers them.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import check_weights
+from ..errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+
+def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
+    """bf16 parameters in forward/backward and fp32 gradient reduction with ``amp`` (fp16 where bf16 is missing).
+
+    Example:
+        >>> mixed_precision(torch.device("cpu"), True).param_dtype
+        torch.bfloat16
+        >>> mixed_precision(torch.device("cpu"), False).param_dtype is None
+        True
+    """
+    if not amp:
+        return MixedPrecisionPolicy()
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float16, reduce_dtype=torch.float32)
+
+
+def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
+    """The submodules sharded on their own, innermost first; the root is sharded after them.
+
+    ``classes`` empty: every direct child that holds parameters. Otherwise
+    every submodule (below the root) that is an instance of one of them.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
+        >>> [type(t).__name__ for t in wrap_targets(m, ())]
+        ['Linear', 'Sequential']
+        >>> [type(t).__name__ for t in wrap_targets(m, (nn.Linear,))]
+        ['Linear', 'Linear']
+    """
+    if not classes:
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+    below_root = list(model.modules())[1:]
+    # Reversed pre-order: every module comes after all of its descendants, as fully_shard needs.
+    return [m for m in reversed(below_root) if isinstance(m, classes)]
+
+
+def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tuple,
+                options: Mapping[str, Any]) -> nn.Module:
+    """Move ``model`` to ``device`` and apply ``fully_shard`` to the policy's submodules, then to the root.
+
+    Raises:
+        ConfigurationError: The model is already sharded or DDP-wrapped.
+    """
+    if isinstance(model, (FSDPModule, DistributedDataParallel)):
+        raise ConfigurationError(f"the model is already wrapped ({type(model).__name__}); with strategy='fsdp' "
+                                 f"pass the plain model: NNHandler applies fully_shard itself")
+    offload = bool(options.get("cpu_offload", False))  # on a GPU run only: NNHandler checked
+    kwargs: dict[str, Any] = {"mp_policy": mixed_precision(device, amp),
+                              "reshard_after_forward": options.get("reshard_after_forward", True)}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    model = model.to(device)
+    targets = wrap_targets(model, classes)
+    if classes and not targets:
+        log.warning("fsdp_wrap: the model has no submodule of %s; only the whole model is sharded",
+                    ", ".join(c.__name__ for c in classes))
+    for module in targets:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def can_pause_sync(model: nn.Module) -> bool:
+    """True when the model can skip its gradient reduction on non-final micro-steps (DDP or FSDP2)."""
+    return isinstance(model, (DistributedDataParallel, FSDPModule))
+
+
+@contextlib.contextmanager
+def gradient_sync_paused(model: nn.Module):
+    """DDP's ``no_sync()``, or FSDP2's ``set_requires_gradient_sync(False)`` for the block (unsharded grads accumulate)."""
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The consolidated ``state_dict`` on CPU: on rank 0 for a sharded model (empty elsewhere); call it on every rank."""
+    if not is_sharded(module):
+        return module.state_dict()
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(module: nn.Module, weights: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None,
+                    optimizer_state: Mapping[str, Any] | None = None, *, source: str = "checkpoint") -> None:
+    """Load a plain (single-file) ``state_dict``, and optionally an optimizer's, into a sharded model on every rank.
+
+    Each rank keeps its shard of the full tensors. The optimizer state is the
+    ``optimizer.state_dict()`` of the same model unsharded (parameters by
+    index, in the order the optimizer was built); it is matched to this
+    optimizer's parameters by position.
+
+    Raises:
+        CheckpointMismatchError: The keys or shapes do not fit the model (named).
+    """
+    check_weights(module, weights, source=source)  # a DTensor's shape is the full one
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, dict(weights), options=options)
+    if optimizer is not None and optimizer_state is not None:
+        names = {id(p): name for name, p in module.named_parameters()}
+        saved_groups, by_name = optimizer_state["param_groups"], {}
+        groups = []
+        for saved, group in zip(saved_groups, optimizer.param_groups):
+            fqns = [names[id(p)] for p in group["params"]]
+            by_name.update(zip(saved["params"], fqns))
+            groups.append({**saved, "params": fqns})
+        state = {by_name[i]: s for i, s in optimizer_state["state"].items()}
+        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
