@@ -192,7 +192,7 @@ class Loop:
         else:
             # Where this part ended, so that the next train() (or a resume
             # from its checkpoint) continues at the next batch.
-            state.resume_partial = {**partial, "rng": capture_rng_state()}
+            state.resume_partial = partial
         state.history.append(row)
         if parts.is_main_process:
             log.info("epoch %d%s%s: %s", epoch, "" if limits.epochs is None else f"/{limits.epochs}",
@@ -311,8 +311,10 @@ class Loop:
             )
         partial = None
         if stop is not None:
+            # "rng": the streams at the stop, before validation draws from them.
             partial = {"batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values]}
+                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values],
+                       "rng": capture_rng_state()}
             if stop == "preempt":
                 raise _StopMidEpoch(partial)
         stacked = torch.stack(losses).to(torch.float64)

@@ -18,7 +18,6 @@ def _check(results):
 
 
 def _uneven_body(rank, counts):
-    import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, IterableDataset
 
@@ -87,7 +86,7 @@ def test_uneven_sized_shards_raise_before_the_epoch_on_every_rank():
 def _max_steps_body(rank, max_steps, ckpt_dir, max_time):
     import time
 
-    from scripts.handler_case import make_data, make_handler, weights
+    from scripts.handler_case import make_data, make_handler, make_model, weights
 
     X, y = make_data(96)  # 2 ranks, batch 8: 6 steps an epoch
     Xv, yv = make_data(37, seed=1)
@@ -99,7 +98,7 @@ def _max_steps_body(rank, max_steps, ckpt_dir, max_time):
         def on_epoch_end(self, handler, epoch, logs):
             seen.append((epoch, handler.epoch, handler.global_step))
 
-    handler = make_handler(seed=3, callbacks=[Rows()], checkpoint_dir=ckpt_dir,
+    handler = make_handler(make_model(dropout=0.2), seed=3, callbacks=[Rows()], checkpoint_dir=ckpt_dir,
                            resume="auto" if ckpt_dir else None)
     handler.set_train_loader((X, y), batch_size=8)
     handler.set_val_loader((Xv, yv), batch_size=8)
