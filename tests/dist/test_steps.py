@@ -40,19 +40,21 @@ def _uneven_body(rank, counts):
     return "trained", "", handler.global_step
 
 
-def test_uneven_iterable_shards_raise_a_clear_error_on_every_rank():
-    results = _check(run_distributed(_uneven_body, nprocs=2, args=([5, 3],), timeout=TIMEOUT))
+@pytest.mark.parametrize("counts, short, long", [([5, 3], 1, 0), ([13, 21], 0, 1)])  # 21: past two windows
+def test_uneven_iterable_shards_raise_a_clear_error_on_every_rank(counts, short, long):
+    results = _check(run_distributed(_uneven_body, nprocs=2, args=(counts,), timeout=TIMEOUT))
+    n = min(counts)
     for kind, message, steps in results:
         assert kind == "error", message
-        assert steps == 3  # the batches every rank had were trained
-        assert "rank 1 ran out after 3 batches" in message and "rank 0 had more" in message
-        assert "epoch 1" in message
+        assert steps == n  # the batches every rank had were trained
+        assert f"rank {short} ran out after {n} batches, rank {long} had more" in message
+        assert "in epoch 1" in message
 
 
 def test_even_iterable_shards_train():
-    results = _check(run_distributed(_uneven_body, nprocs=2, args=([4, 4],), timeout=TIMEOUT))
+    results = _check(run_distributed(_uneven_body, nprocs=2, args=([8, 8],), timeout=TIMEOUT))  # a window exactly
     assert [r[0] for r in results] == ["trained", "trained"]
-    assert [r[2] for r in results] == [8, 8]
+    assert [r[2] for r in results] == [16, 16]
 
 
 def _sized_uneven_body(rank):
