@@ -532,7 +532,7 @@ class NNHandler:
             OSError: On rank 0, the write failed (``path`` is unchanged).
             CheckpointError: On the other ranks, when rank 0's write failed.
         """
-        R.save(self._parts(), self._state, path)
+        R.save(self._parts(), self._state, path, self._state.resume_partial)  # after a max_steps stop: mid-epoch
 
     def load_checkpoint(self, path: str | os.PathLike, resume: bool = True) -> int:
         """Load a checkpoint written by :meth:`save_checkpoint`, on every rank.

@@ -48,7 +48,7 @@ def test_same_history_and_weights_as_hand_written_loop(data, grad_accum):
         assert row["epoch_time"] > 0 and row["samples_per_sec"] > 0 and row["peak_mem_mb_rank0"] > 0
 
 
-def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopped(data):
+def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopped(data, tmp_path):
     X, y, Xv, yv = data
     ends = []
 
@@ -73,10 +73,15 @@ def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopp
     assert stopped.history["val_loss"][1] is not None
     stopped.train(3, max_steps=30, progress=False)  # the step limit counts from the start of training
     assert (stopped.global_step, stopped.epoch) == (30, 2)
+    stopped.save_checkpoint(tmp_path / "mid.ckpt")  # a stopped run's own checkpoint continues mid-epoch too
     stopped.train(3, progress=False)
-    assert weights(stopped.module) == weights(straight.module)
-    for key in ("epoch", "train_loss", "train_mae", "val_loss", "val_mae", "lr"):
-        assert stopped.history[key] == straight.history[key], key
+    loaded = run()
+    loaded.load_checkpoint(tmp_path / "mid.ckpt")
+    loaded.train(3, progress=False)
+    for handler in (stopped, loaded):
+        assert weights(handler.module) == weights(straight.module)
+        for key in ("epoch", "train_loss", "train_mae", "val_loss", "val_mae", "lr"):
+            assert handler.history[key] == straight.history[key], key
 
 
 def test_max_steps_at_an_epoch_end_and_nothing_left_to_do(data, caplog):
