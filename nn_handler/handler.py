@@ -391,16 +391,12 @@ class NNHandler:
               validate_every: int = 1, progress: bool = True) -> History:
         """Train until ``epochs`` epochs are complete, ``max_steps`` optimizer steps or ``max_time`` seconds.
 
-        ``epochs`` and ``max_steps`` count from the start of training, not from
-        this call (a run resumed after epoch 2 and asked for ``train(4)`` runs
-        epochs 3 and 4); ``max_time`` counts from this call. The first limit
-        reached stops every rank at the same step. A step or time limit inside
-        an epoch ends it there: that partial epoch gets a History row and
-        ``on_epoch_end`` (the scheduler does not step, ``handler.epoch`` counts
-        complete epochs only) and, with ``checkpoint_dir``, a mid-epoch
-        checkpoint. The next ``train()``, or a resume from that checkpoint,
-        continues at the next batch and replaces the partial row when the
-        epoch completes, as if never stopped. See docs/training.md.
+        ``epochs`` and ``max_steps`` count from the start of training (a run
+        resumed after epoch 2 and asked for ``train(4)`` runs epochs 3 and 4),
+        ``max_time`` from this call; every rank stops at the same step. A limit
+        inside an epoch ends it there, with a History row, ``on_epoch_end`` and
+        (``checkpoint_dir``) a mid-epoch checkpoint; the next ``train()`` or a
+        resume continues at the next batch as if never stopped (docs/training.md).
 
         Args:
             epochs: The epoch to train up to (>= 1), or None for no epoch limit.
@@ -433,12 +429,6 @@ class NNHandler:
                 ``checkpoint_dir``); its checkpoint is on disk. Uncaught, the
                 process exits with :data:`~nn_handler.PREEMPTED_EXIT_CODE`.
             CheckpointError: ``resume`` names a checkpoint that a rank cannot load.
-
-        Example:
-            >>> h = NNHandler(torch.nn.Linear(3, 1), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": .1})
-            >>> h.set_train_loader((torch.randn(40, 3), torch.randn(40, 1)), batch_size=8)  # 5 steps an epoch
-            >>> h.train(max_steps=7, progress=False)["epoch"], h.global_step, h.epoch
-            ([1, 2], 7, 1)
         """
         limits = Limits.checked(epochs, max_steps, max_time)
         validate_every = check_int("validate_every", validate_every, minimum=1)
@@ -447,14 +437,7 @@ class NNHandler:
         if state.start_pending:
             R.start_run(parts, self.config, state)
             state.start_pending = False  # only once it succeeded: a refused directory stays refused
-        if state.finished_early:
-            log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
-                        "nothing to do", state.epoch)
-        elif limits.reached(state):
-            log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch,
-                        state.global_step)
-        else:
-            Loop(parts, self.config, state).run(limits, validate_every, progress)
+        Loop(parts, self.config, state).run(limits, validate_every, progress)
         return self.history
 
     def evaluate(self, data: Any = None) -> dict[str, float]:

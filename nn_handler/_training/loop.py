@@ -89,8 +89,15 @@ class Loop:
         self.parts, self.config, self.state = parts, config, state
 
     def run(self, limits: Limits, validate_every: int, progress: bool) -> None:
-        """Train until ``limits``, with the train-level hooks around it."""
-        parts = self.parts
+        """Train until ``limits``, with the train-level hooks around it (none when there is nothing to do)."""
+        parts, state = self.parts, self.state
+        if state.finished_early:
+            log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
+                        "nothing to do", state.epoch)
+            return
+        if limits.reached(state):
+            log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
+            return
         self.state.stop_training = False
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
