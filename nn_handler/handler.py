@@ -43,7 +43,7 @@ from ._training import data as D
 from ._training import evaluation, lifetime
 from ._training import resume as R
 from ._training.config import Resume, TrainingConfig, config_property, seed_everything
-from ._training.loop import Loop
+from ._training.loop import Limits, Loop
 from ._training.parts import Parts
 from ._training.sharded_checkpoint import load_model
 from ._training.sharding import full_model_state, shard_model
@@ -412,16 +412,21 @@ class NNHandler:
 
     # ------------------------------------------------------------------ training
 
-    def train(self, epochs: int, *, validate_every: int = 1, progress: bool = True) -> History:
-        """Train until ``epochs`` epochs are complete, validating every ``validate_every`` epochs.
+    def train(self, epochs: int | None = None, *, max_steps: int | None = None, max_time: float | None = None,
+              validate_every: int = 1, progress: bool = True) -> History:
+        """Train until ``epochs`` epochs are complete, ``max_steps`` optimizer steps or ``max_time`` seconds.
 
-        ``epochs`` counts from the start of training, not from this call: a
-        handler resumed from a checkpoint after epoch 2 and asked for
-        ``train(4)`` runs epochs 3 and 4, so rerunning an interrupted script
-        finishes the job instead of starting over.
+        ``epochs`` and ``max_steps`` count from the start of training (a run
+        resumed after epoch 2 and asked for ``train(4)`` runs epochs 3 and 4),
+        ``max_time`` from this call; every rank stops at the same step. A limit
+        inside an epoch ends it there, with a History row, ``on_epoch_end`` and
+        (``checkpoint_dir``) a mid-epoch checkpoint; the next ``train()`` or a
+        resume continues at the next batch as if never stopped (docs/training.md).
 
         Args:
-            epochs: The epoch to train up to (>= 1).
+            epochs: The epoch to train up to (>= 1), or None for no epoch limit.
+            max_steps: The global optimizer step to stop at (>= 1), or None.
+            max_time: Seconds to train for in this call (> 0), or None.
             validate_every: Validate after every this many epochs (needs a
                 validation loader; >= 1).
             progress: One tqdm bar per epoch on the main process.
@@ -441,29 +446,23 @@ class NNHandler:
             The History (all epochs, including those before a resume).
 
         Raises:
-            ConfigurationError: No training data, loss function or optimizer; a
-                model without trainable parameters; an empty dataset or a
-                loader that yields no batches.
+            ConfigurationError: No limit or a bad one; no training data, loss
+                function or optimizer; no trainable parameters; no batches;
+                ranks given different numbers of batches.
             NonFiniteLossError: The loss became NaN or infinite (on every rank).
             TrainingPreempted: A preemption signal arrived (with
                 ``checkpoint_dir``); its checkpoint is on disk. Uncaught, the
                 process exits with :data:`~nn_handler.PREEMPTED_EXIT_CODE`.
             CheckpointError: ``resume`` names a checkpoint that a rank cannot load.
         """
-        epochs = check_int("epochs", epochs, minimum=1)
+        limits = Limits.checked(epochs, max_steps, max_time)
         validate_every = check_int("validate_every", validate_every, minimum=1)
         self._check_ready()
         parts, state = self._parts(), self._state
         if state.start_pending:
             R.start_run(parts, self.config, state)
             state.start_pending = False  # only once it succeeded: a refused directory stays refused
-        if state.finished_early:
-            log.warning("train(%d): the run stopped early after epoch %d (resumed from its last checkpoint); "
-                        "nothing to do", epochs, state.epoch)
-        elif state.epoch >= epochs:
-            log.warning("train(%d): %d epochs are already complete; nothing to do", epochs, state.epoch)
-        else:
-            Loop(parts, self.config, state).run(epochs, validate_every, progress)
+        Loop(parts, self.config, state).run(limits, validate_every, progress)
         return self.history
 
     def evaluate(self, data: Any = None) -> dict[str, float]:
@@ -541,7 +540,7 @@ class NNHandler:
             OSError: On rank 0, the write failed (``path`` is unchanged).
             CheckpointError: On the other ranks, when rank 0's write failed.
         """
-        R.save(self._parts(), self._state, path)
+        R.save(self._parts(), self._state, path, self._state.resume_partial)  # after a max_steps stop: mid-epoch
 
     def load_checkpoint(self, path: str | os.PathLike, resume: bool = True) -> int:
         """Load a checkpoint written by :meth:`save_checkpoint`, on every rank.

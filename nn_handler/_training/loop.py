@@ -20,20 +20,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from .._checks import check_int, check_number
 from .._tree import to_device
+from ..checkpoint import capture_rng_state
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils._stall import new_wait, note_step, watch_collectives, watching
 from ..utils.ddp_decorators import any_rank
 from . import data as D
 from . import metrics as M
+from . import uneven as U
 from .config import TrainingConfig
 from .evaluation import eval_sums
 from .parts import Parts
@@ -47,20 +52,57 @@ from .step import Step
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """When ``train()`` stops: after epoch ``epochs``, at global step ``max_steps``, after ``max_time`` seconds."""
+
+    epochs: int | None = None
+    max_steps: int | None = None
+    max_time: float | None = None
+
+    @classmethod
+    def checked(cls, epochs: Any, max_steps: Any, max_time: Any) -> "Limits":
+        """The limits of a ``train()`` call, each checked; at least one is needed.
+
+        Example:
+            >>> Limits.checked(None, 100, None).max_steps
+            100
+        """
+        check_int("epochs", epochs, minimum=1, allow_none=True)
+        check_int("max_steps", max_steps, minimum=1, allow_none=True)
+        check_number("max_time", max_time, minimum=0, unit="seconds", allow_none=True)
+        if epochs is None and max_steps is None and max_time is None:
+            raise ConfigurationError("train() needs a limit: epochs, max_steps or max_time "
+                                     "(e.g. train(10) or train(max_steps=1000))")
+        return cls(epochs, max_steps, None if max_time is None else float(max_time))
+
+    def reached(self, state: TrainingState) -> bool:
+        """True when ``state`` is at or past the epoch or step limit (the same on every rank)."""
+        return ((self.epochs is not None and state.epoch >= self.epochs)
+                or (self.max_steps is not None and state.global_step >= self.max_steps))
+
+
 class Loop:
     """Trains ``parts`` under ``config`` from where ``state`` stands; :meth:`run` is the whole of ``train()``."""
 
     def __init__(self, parts: Parts, config: TrainingConfig, state: TrainingState):
         self.parts, self.config, self.state = parts, config, state
 
-    def run(self, epochs: int, validate_every: int, progress: bool) -> None:
-        """Train up to epoch ``epochs``, with the train-level hooks around it."""
-        parts = self.parts
+    def run(self, limits: Limits, validate_every: int, progress: bool) -> None:
+        """Train until ``limits``, with the train-level hooks around it (none when there is nothing to do)."""
+        parts, state = self.parts, self.state
+        if state.finished_early:
+            log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
+                        "nothing to do", state.epoch)
+            return
+        if limits.reached(state):
+            log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
+            return
         self.state.stop_training = False
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
         try:
-            self._until(epochs, validate_every, progress)
+            self._until(limits, validate_every, progress)
         except Exception as exc:
             # Outside the SIGTERM catcher: torchrun's SIGTERM ends the wait.
             wait_if_peer_failed(exc)
@@ -68,33 +110,38 @@ class Loop:
         for cb in parts.callbacks:
             cb.on_train_end(parts.view)
 
-    def _until(self, epochs: int, validate_every: int, progress: bool) -> None:
+    def _until(self, limits: Limits, validate_every: int, progress: bool) -> None:
         parts, config, state = self.parts, self.config, self.state
         catcher = SignalCatcher() if config.checkpoint_dir is not None else None
         with catcher if catcher is not None else contextlib.nullcontext():
             monitor = None
-            if catcher is not None:
-                monitor = PreemptionMonitor(catcher, parts.in_group, config.preemption_check_every)
-            while state.epoch < epochs:
+            if catcher is not None or limits.max_time is not None:
+                deadline = None if limits.max_time is None else time.monotonic() + limits.max_time
+                monitor = PreemptionMonitor(catcher, parts.in_group, config.preemption_check_every, deadline)
+            while not limits.reached(state):
                 try:
-                    self._epoch(epochs, validate_every, progress, monitor)
+                    partial = self._epoch(limits, validate_every, progress, monitor)
                 except _StopMidEpoch as stop:
                     path = save_run_checkpoint(parts, config, state, stop.partial)
                     raise self._preempted(path, state.epoch + 1, stop.partial["batches"], catcher) from None
+                if partial is not None:  # max_steps or max_time, part-way through the epoch
+                    if config.checkpoint_dir is not None:
+                        save_run_checkpoint(parts, config, state, partial)
+                    break
                 # Agree, so that a callback that stopped one rank stops them all
                 # after the same epoch (the next epoch's collectives would hang);
-                # with a monitor, one collective says "stop" and "preempted".
+                # with a monitor, one collective says "stop", "preempted", "time's up".
                 if monitor is None:
-                    stop, preempt = (any_rank(state.stop_training) if parts.in_group
-                                     else bool(state.stop_training)), False
+                    stop, preempt, time_up = (any_rank(state.stop_training) if parts.in_group
+                                              else bool(state.stop_training)), False, False
                 else:
-                    stop, preempt = monitor.epoch_end(state.stop_training)
+                    stop, preempt, time_up = monitor.epoch_end(state.stop_training)
                 state.stop_training = stop
                 if config.checkpoint_dir is not None:
                     path = save_run_checkpoint(parts, config, state)
                 if preempt:
                     raise self._preempted(path, state.epoch, 0, catcher)
-                if stop:
+                if stop or time_up:
                     break
 
     def _preempted(self, path: Path, epoch: int, batches: int, catcher: SignalCatcher) -> TrainingPreempted:
@@ -106,7 +153,9 @@ class Loop:
             log.warning("%s", exc)
         return exc
 
-    def _epoch(self, epochs: int, validate_every: int, progress: bool, monitor: PreemptionMonitor | None) -> None:
+    def _epoch(self, limits: Limits, validate_every: int, progress: bool,
+               monitor: PreemptionMonitor | None) -> dict[str, Any] | None:
+        """One epoch, or its first part when a step or time limit stops it: then that part's checkpoint state."""
         parts, config, state = self.parts, self.config, self.state
         epoch = state.epoch + 1
         for cb in parts.callbacks:
@@ -117,7 +166,7 @@ class Loop:
         lr = parts.optimizer.param_groups[0]["lr"]
         M.reset_peak_memory(parts.device)
         start = time.perf_counter()
-        train = self._train_epoch(epoch, epochs, progress, monitor)
+        train = self._train_epoch(epoch, limits, progress, monitor)
         train_time = time.perf_counter() - start
         validate = parts.val_loader is not None and epoch % validate_every == 0
         val = eval_sums(parts, config, parts.val_loader) if validate else []
@@ -140,16 +189,28 @@ class Loop:
         row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
                    samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
         row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
-        _step_scheduler(parts.scheduler, row)
-        state.epoch = epoch
+        partial = train["partial"]
+        state.drop_partial_row()  # the row of this epoch's first part, before a step or time limit stopped it
+        state.partial_row = partial is not None
+        if partial is None:
+            # A part-way epoch leaves the epoch count and the scheduler as they
+            # were: the run that continues it steps them when it completes.
+            _step_scheduler(parts.scheduler, row)
+            state.epoch = epoch
+        else:
+            # Where this part ended, so that the next train() (or a resume
+            # from its checkpoint) continues at the next batch.
+            state.resume_partial = partial
         state.history.append(row)
         if parts.is_main_process:
-            log.info("epoch %d/%d: %s", epoch, epochs,
+            log.info("epoch %d%s%s: %s", epoch, "" if limits.epochs is None else f"/{limits.epochs}",
+                     "" if partial is None else f" (stopped after {partial['batches']} batches)",
                      " ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_"))))
         for cb in parts.callbacks:
             cb.on_epoch_end(parts.view, epoch, row)
+        return partial
 
-    def _train_epoch(self, epoch: int, epochs: int, progress: bool,
+    def _train_epoch(self, epoch: int, limits: Limits, progress: bool,
                      monitor: PreemptionMonitor | None) -> dict[str, Any]:
         parts, config, state = self.parts, self.config, self.state
         model, loader, device, view = parts.model, parts.train_loader, parts.device, parts.view
@@ -161,6 +222,9 @@ class Loop:
             n_batches = len(loader)
         except TypeError:  # an IterableDataset without __len__
             n_batches = None
+        uneven = U.check_mode(loader, n_batches) if parts.in_group else None
+        if uneven == "length":
+            U.check_lengths(n_batches, epoch)
         # Skipping the all-reduce needs to know which micro-step is the last
         # of an epoch; without a length every micro-step synchronizes.
         no_sync = can_pause_sync(model) and k > 1 and n_batches is not None
@@ -169,6 +233,7 @@ class Loop:
         check_each_step = not parts.distributed and (
             config.finite_check_every == 1 or (config.finite_check_every is None and device.type == "cpu"))
         check_every = None if check_each_step else config.finite_check_every
+        max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
         metric_values: list[list] = [[] for _ in metrics]
@@ -183,12 +248,17 @@ class Loop:
         else:
             # What decides this epoch's batch order (the global generators, the
             # loader's and sampler's own), taken before the loader draws from
-            # them: a mid-epoch checkpoint needs it to replay the same order.
-            epoch_start = D.epoch_start_state(loader) if monitor is not None else None
+            # them: a mid-epoch checkpoint (or a stop at max_steps or max_time)
+            # needs it to replay the same order.
+            stoppable = monitor is not None or max_steps is not None
+            epoch_start = D.epoch_start_state(loader) if stoppable else None
             batches = iter(loader)
-        bar = (EpochBar(epoch, epochs, n_batches, first, parts.world_size)
+        if uneven == "step":
+            batches = U.agreed(batches, first, epoch)
+        bar = (EpochBar(epoch, limits.epochs, n_batches, first, parts.world_size)
                if progress and parts.is_main_process else None)
         micro = 0
+        stop = None
         try:
             # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
             with watch_collectives():
@@ -203,8 +273,10 @@ class Loop:
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
                     with gradient_sync_paused(model) if no_sync and not boundary else contextlib.nullcontext():
                         outputs, loss = step.forward(inputs, targets)
-                        if check_each_step and not torch.isfinite(loss):
-                            raise NonFiniteLossError(epoch, i, float(loss.detach()))
+                        # .item(): on the CPU a plain read, a tenth of the cost
+                        # of bool(torch.isfinite(loss)); on a GPU the same sync.
+                        if check_each_step and not math.isfinite(value := loss.item()):
+                            raise NonFiniteLossError(epoch, i, value)
                         with watching("backward (DDP's gradient all_reduce)"):
                             step.backward(loss)
                     if boundary:
@@ -226,13 +298,17 @@ class Loop:
                         M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
                     if bar is not None:
                         bar.advance(losses, sizes)
-                    # After the whole step (update, hooks): a preemption stops
-                    # between two optimizer steps, never inside an accumulation group.
+                    if not boundary:
+                        continue
+                    # After the whole step (update, hooks): a stop comes between
+                    # two optimizer steps, never inside an accumulation group.
                     last = n_batches is not None and i + 1 == n_batches
-                    if monitor is not None and boundary and monitor.step_done(last):
-                        raise _StopMidEpoch({
-                            "batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                            "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values]})
+                    if monitor is not None:
+                        stop = monitor.step_done(last)
+                    if stop is None and max_steps is not None and state.global_step >= max_steps and not last:
+                        stop = "steps"
+                    if stop is not None:
+                        break
                 if micro:  # an unsized loader ended inside an accumulation group
                     step.optimizer_step()
                     state.global_step += 1
@@ -244,10 +320,18 @@ class Loop:
                 "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
                 "batch_size, or fewer samples than ranks?)"
             )
+        partial = None
+        if stop is not None:
+            # "rng": the streams at the stop, before validation draws from them.
+            partial = {"batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
+                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values],
+                       "rng": capture_rng_state()}
+            if stop == "preempt":
+                raise _StopMidEpoch(partial)
         stacked = torch.stack(losses).to(torch.float64)
         sums = M.batch_sums(stacked, sizes, metric_values)
         bad_step, bad_value = M.first_nonfinite(stacked)
-        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value}
+        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value, "partial": partial}
 
 
 class _StopMidEpoch(Exception):

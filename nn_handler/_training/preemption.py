@@ -24,6 +24,10 @@ training whatever the step time (about 0.1 %), and the reaction delay is about o
 or one step, whichever is longer: far inside the grace period. A single
 process needs no agreement and looks at the flag after every step.
 
+``train(max_time=...)`` rides on the same collective: each rank adds "past my
+deadline" to it, so the ranks stop together at the first check after the
+earliest deadline (about one second late at most, as a preemption).
+
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
 
@@ -129,22 +133,26 @@ def all_max(values: list[int], distributed: bool) -> list[int]:
 
 
 class PreemptionMonitor:
-    """Decides at which optimizer steps the ranks agree on whether a preemption signal arrived.
+    """Decides at which optimizer steps the ranks agree on a preemption signal and on ``max_time``.
 
     Args:
-        catcher: Where the signal is recorded.
+        catcher: Where the signal is recorded (None: no signal is watched).
         distributed: Whether the ranks must agree (a collective); a single
             process reads its flag after every step.
         every: Agree every this many optimizer steps; ``None`` adapts the
             interval to about :data:`CHECK_INTERVAL_S` seconds.
+        deadline: A ``time.monotonic()`` value after which training stops
+            (``train(max_time=...)``); the ranks agree on it in the same
+            collective, so they stop at the same step.
 
     Every rank must call :meth:`step_done` after every optimizer step and
     :meth:`epoch_end` at the end of every epoch: the interval is agreed, so
     the ranks reach each check at the same step.
     """
 
-    def __init__(self, catcher: SignalCatcher, distributed: bool, every: int | None = None):
-        self.catcher, self.distributed, self.every = catcher, distributed, every
+    def __init__(self, catcher: SignalCatcher | None, distributed: bool, every: int | None = None,
+                 deadline: float | None = None):
+        self.catcher, self.distributed, self.every, self.deadline = catcher, distributed, every, deadline
         # The first check after one step: it measures the step time the
         # adaptive interval is derived from, and a signal that arrived before
         # training started is honoured at once.
@@ -155,7 +163,12 @@ class PreemptionMonitor:
     @property
     def signalled(self) -> bool:
         """True when this rank received a preemption signal."""
-        return self.catcher.received is not None
+        return self.catcher is not None and self.catcher.received is not None
+
+    @property
+    def out_of_time(self) -> bool:
+        """True when this rank is past the deadline."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def _proposal(self, now: float) -> int:
         if self.every is not None:
@@ -166,18 +179,19 @@ class PreemptionMonitor:
         return max(1, min(_MAX_INTERVAL, int(CHECK_INTERVAL_S * self._steps / elapsed)))
 
     def _agree(self, extra: list[int]) -> list[int]:
-        now = time.perf_counter()
+        """``[signal on any rank, deadline passed on any rank, *extra (max over ranks)]``."""
         if not self.distributed:
             self._countdown = 1
-            return [int(self.signalled), *extra]
-        # MAX over (flag, -interval, extra): "any rank" for the flags, the
-        # smallest proposed interval for the next check.
-        agreed = all_max([int(self.signalled), -self._proposal(now), *extra], True)
+            return [int(self.signalled), int(self.out_of_time), *extra]
+        now = time.perf_counter()
+        # MAX over (flag, -interval, time, extra): "any rank" for the flags,
+        # the smallest proposed interval for the next check.
+        agreed = all_max([int(self.signalled), -self._proposal(now), int(self.out_of_time), *extra], True)
         self._countdown, self._steps, self._mark = -agreed[1], 0, now
         return [agreed[0], *agreed[2:]]
 
-    def step_done(self, last_of_epoch: bool = False) -> bool:
-        """After an optimizer step: True on every rank when the ranks agreed to stop now.
+    def step_done(self, last_of_epoch: bool = False) -> str | None:
+        """After an optimizer step: ``"preempt"`` or ``"time"`` on every rank when the ranks agreed to stop now.
 
         The last step of an epoch is never a check: :meth:`epoch_end` follows
         and agrees for it, after the epoch is complete.
@@ -185,10 +199,11 @@ class PreemptionMonitor:
         self._steps += 1
         self._countdown -= 1
         if self._countdown > 0 or last_of_epoch:
-            return False
-        return bool(self._agree([])[0])
+            return None
+        preempt, time_up = self._agree([])
+        return "preempt" if preempt else "time" if time_up else None
 
-    def epoch_end(self, stop: bool) -> tuple[bool, bool]:
-        """At an epoch's end: ``(stop on any rank, preemption signal on any rank)`` in one collective."""
-        preempt, stop_any = self._agree([int(bool(stop))])
-        return bool(stop_any), bool(preempt)
+    def epoch_end(self, stop: bool) -> tuple[bool, bool, bool]:
+        """At an epoch's end, in one collective: ``(stop on any rank, preemption signal, deadline passed)``."""
+        preempt, time_up, stop_any = self._agree([int(bool(stop))])
+        return bool(stop_any), bool(preempt), bool(time_up)

@@ -21,11 +21,12 @@ class EpochBar:
         >>> bar.close()
     """
 
-    def __init__(self, epoch: int, epochs: int, total: int | None, done: int, world_size: int,
+    def __init__(self, epoch: int, epochs: int | None, total: int | None, done: int, world_size: int,
                  disable: bool = False):
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", dynamic_ncols=True, leave=True,
+        desc = f"epoch {epoch}" if epochs is None else f"epoch {epoch}/{epochs}"
+        self._bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=True,
                          disable=disable)
         if done:
             self._bar.update(done)  # a resumed epoch starts where its checkpoint was written

@@ -287,6 +287,7 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
                     "differ: epoch %d starts over from its first batch, from the weights of the checkpoint",
                     path, partial["batches"], state.epoch + 1, len(partial["ranks"]), parts.world_size,
                     state.epoch + 1)
+        state.drop_partial_row()  # that part's History row goes with it
     elif partial is not None:
         state.resume_partial = {"batches": int(partial["batches"]), "rng": rngs[parts.rank],
                                 **partial["ranks"][parts.rank]}

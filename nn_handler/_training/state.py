@@ -36,14 +36,26 @@ class TrainingState:
     start_pending: bool = False  # the first train() still has to load `resume` and claim checkpoint_dir
     resume_partial: dict[str, Any] | None = None  # a mid-epoch checkpoint's state, until train uses it
     finished_early: bool = False  # the loaded checkpoint was written after an early stop
+    # The last History row is of an epoch that max_steps or max_time stopped
+    # part-way; the run that completes the epoch replaces it.
+    partial_row: bool = False
+
+    def drop_partial_row(self) -> None:
+        """Remove the History row of a part-way epoch (and the columns only it had), if the last row is one."""
+        if self.partial_row:
+            data = {key: column[:-1] for key, column in self.history.state_dict().items()}
+            self.history.load_state_dict({k: c for k, c in data.items() if any(v is not None for v in c)})
+            self.partial_row = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run's position (plain values)."""
-        return {"epoch": self.epoch, "global_step": self.global_step, "history": self.history.state_dict()}
+        return {"epoch": self.epoch, "global_step": self.global_step, "history": self.history.state_dict(),
+                "partial_row": self.partial_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.history.load_state_dict(state["history"])
+        self.partial_row = bool(state.get("partial_row", False))  # absent from checkpoints of nn_handler <= 0.1
 
 
 def state_property(name: str, doc: str) -> property:

@@ -515,23 +515,36 @@ def working_on(task: str) -> Iterator[None]:
         dog.now.task = previous
 
 
-@contextlib.contextmanager
-def watching(collective: str) -> Iterator[None]:
+def watching(collective: str) -> contextlib.AbstractContextManager:
     """Mark the calling thread as waiting in ``collective`` (nn_handler's own collectives)."""
     dog = _dog
-    if dog is None:
-        yield
-        return
-    now = dog.now
-    previous = now.collective, now.since, now.thread
-    now.collective, now.since, now.thread = collective, time.monotonic(), threading.get_ident()
-    try:
-        yield
-    except RuntimeError as exc:
-        dog.explain(exc, collective)
-        raise
-    finally:
-        now.collective, now.since, now.thread = previous
+    # Entered around every backward of a training step: a class, not a
+    # generator, and one shared no-op without a watchdog.
+    return _NOT_WATCHING if dog is None else _Watching(dog, collective)
+
+
+class _Watching:
+    __slots__ = ("dog", "collective", "previous")
+
+    def __init__(self, dog: Watchdog, collective: str):
+        self.dog, self.collective = dog, collective
+
+    def __enter__(self) -> None:
+        now = self.dog.now
+        self.previous = now.collective, now.since, now.thread
+        now.collective, now.since, now.thread = self.collective, time.monotonic(), threading.get_ident()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        now = self.dog.now
+        try:
+            if exc_type is not None and issubclass(exc_type, RuntimeError):
+                self.dog.explain(exc, self.collective)
+        finally:
+            now.collective, now.since, now.thread = self.previous
+        return False
+
+
+_NOT_WATCHING = contextlib.nullcontext()
 
 
 @contextlib.contextmanager

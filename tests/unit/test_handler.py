@@ -48,6 +48,69 @@ def test_same_history_and_weights_as_hand_written_loop(data, grad_accum):
         assert row["epoch_time"] > 0 and row["samples_per_sec"] > 0 and row["peak_mem_mb_rank0"] > 0
 
 
+def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopped(data, tmp_path):
+    X, y, Xv, yv = data
+    ends = []
+
+    class Ends(Callback):
+        def on_epoch_end(self, handler, epoch, logs):
+            ends.append((epoch, handler.epoch, handler.global_step, logs["train_loss"]))
+
+    def run(*calls):
+        handler = make_handler(make_model(dropout=0.2), seed=5, callbacks=[Ends()])
+        handler.set_train_loader(TensorDataset(X, y), batch_size=BATCH)  # 12 steps an epoch
+        handler.set_val_loader(TensorDataset(Xv, yv), batch_size=BATCH)
+        for kwargs in calls:
+            handler.train(progress=False, **kwargs)
+        return handler
+
+    straight = run({"epochs": 3})
+    ends.clear()
+    stopped = run({"epochs": 3, "max_steps": 17})
+    assert (stopped.global_step, stopped.epoch, stopped.history["epoch"]) == (17, 1, [1, 2])
+    assert [e[:3] for e in ends] == [(1, 1, 12), (2, 1, 17)]  # on_epoch_end saw the partial epoch
+    assert stopped.history["lr"] == [0.05, 0.05]  # the scheduler did not step for it
+    assert stopped.history["val_loss"][1] is not None
+    stopped.train(3, max_steps=30, progress=False)  # the step limit counts from the start of training
+    assert (stopped.global_step, stopped.epoch) == (30, 2)
+    stopped.save_checkpoint(tmp_path / "mid.ckpt")  # a stopped run's own checkpoint continues mid-epoch too
+    stopped.train(3, progress=False)
+    loaded = run()
+    loaded.load_checkpoint(tmp_path / "mid.ckpt")
+    loaded.train(3, progress=False)
+    for handler in (stopped, loaded):
+        assert weights(handler.module) == weights(straight.module)
+        for key in ("epoch", "train_loss", "train_mae", "val_loss", "val_mae", "lr"):
+            assert handler.history[key] == straight.history[key], key
+
+
+def test_max_steps_at_an_epoch_end_and_nothing_left_to_do(data, caplog):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader(TensorDataset(X, y), batch_size=BATCH)
+    handler.train(max_steps=24, progress=False)
+    assert (handler.global_step, handler.epoch, handler.history["epoch"]) == (24, 2, [1, 2])
+    with caplog.at_level(logging.WARNING, logger="nn_handler"):
+        handler.train(max_steps=10, progress=False)
+    assert handler.global_step == 24 and "global step 24: nothing to do" in caplog.text
+
+
+def test_max_time_stops_training_without_an_epoch_limit(data):
+    X, y, _, _ = data
+    handler = make_handler()
+    handler.set_train_loader(TensorDataset(X, y), batch_size=BATCH)
+    loss_fn = handler.loss_fn
+
+    def slow(out, target):
+        import time
+        time.sleep(0.05)  # 12 steps: 0.6 s an epoch, past max_time
+        return loss_fn(out, target)
+
+    handler.set_loss_fn(slow)
+    handler.train(max_time=0.3, progress=False)
+    assert 0 < handler.global_step < 12 and handler.epoch == 0 and handler.history["epoch"] == [1]
+
+
 def test_train_counts_epochs_from_the_start_and_continues(data):
     X, y, _, _ = data
     handler = make_handler()

@@ -93,10 +93,26 @@ def test_optimizer_built_for_another_model():
 
 def test_bad_epochs_and_validate_every():
     handler = _ready(make_handler())
-    with pytest.raises(ConfigurationError, match=r"epochs must be an int >= 1, got 0"):
+    with pytest.raises(ConfigurationError, match=r"epochs must be an int >= 1 or None, got 0"):
         handler.train(0)
     with pytest.raises(ConfigurationError, match=r"validate_every must be an int >= 1"):
         handler.train(1, validate_every=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, r"train\(\) needs a limit: epochs, max_steps or max_time"),
+    ({"epochs": 1.5}, r"epochs must be an int >= 1 or None, got 1.5"),
+    ({"max_steps": 0}, r"max_steps must be an int >= 1 or None, got 0"),
+    ({"max_steps": True}, r"max_steps must be an int >= 1 or None, got True"),
+    ({"max_time": 0}, r"max_time must be a number of seconds > 0 or None, got 0"),
+    ({"max_time": float("nan")}, r"max_time must be a number of seconds > 0 or None, got nan"),
+    ({"max_time": "1h"}, r"max_time must be a number of seconds > 0 or None, got '1h'"),
+])
+def test_bad_step_and_time_limits(kwargs, message):
+    handler = _ready(make_handler())
+    with pytest.raises(ConfigurationError, match=message):
+        handler.train(**kwargs)
+    assert handler.global_step == 0
 
 
 def test_loss_fn_that_does_not_return_a_scalar():
