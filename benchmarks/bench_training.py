@@ -1,4 +1,4 @@
-"""Training overhead of NNHandler against a hand-written loop (and Lightning Fabric / Accelerate where installed).
+"""Training overhead of NNHandler against a hand-written loop (and Lightning Fabric / Accelerate / Ignite where installed).
 
 An MLP 256-1024-1024-10 on synthetic data, batch 64 per process, 200 steps
 per timed epoch, on 1 and 2 processes (gloo, one thread each). Every
@@ -23,11 +23,12 @@ the same processes, so the two overheads (each NNHandler against its own
 hand-written loop) compare under the same noise. Target: FSDP's overhead no
 larger than DDP's.
 
-Fabric and Accelerate are not project requirements; to include them without
-touching the environment, install them into a scratch directory:
+Fabric, Accelerate and Ignite are not project requirements (they are in the
+``bench`` extra); to include them without touching the environment, install
+them into a scratch directory:
 
     pip install --target /tmp/benchdeps --no-deps lightning-fabric lightning-utilities \
-        accelerate pyyaml huggingface_hub safetensors
+        accelerate pyyaml huggingface_hub safetensors pytorch-ignite
     PYTHONPATH=/tmp/benchdeps python benchmarks/bench_training.py
 
 Every contender uses its library's defaults (NNHandler's DDP has
@@ -217,6 +218,26 @@ def _accelerate(steps: int):
     return epoch
 
 
+def _ignite(steps: int):
+    """Ignite's own supervised trainer, with its ``auto_model`` / ``auto_dataloader`` for the process group."""
+    import torch
+    from ignite import distributed as idist
+    from ignite.engine import create_supervised_trainer
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = idist.auto_model(_model())  # DDP when a group exists, as its docs recommend
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = idist.auto_dataloader(_data(steps, idist.get_world_size()), batch_size=BATCH * idist.get_world_size(),
+                                   shuffle=True)  # auto_dataloader divides the batch size by the world size
+    trainer = create_supervised_trainer(model, opt, nn.CrossEntropyLoss())
+
+    def epoch(e):
+        trainer.run(loader, max_epochs=e + 1)  # one more epoch of `steps` iterations
+
+    return epoch
+
+
 def _installed(*modules: str) -> bool:
     return any(importlib.util.find_spec(m) is not None for m in modules)
 
@@ -226,6 +247,7 @@ CONTENDERS = {
     "NNHandler": (_nn_handler, ()),
     "Lightning Fabric": (_fabric, ("lightning", "lightning_fabric")),
     "Accelerate": (_accelerate, ("accelerate",)),
+    "Ignite": (_ignite, ("ignite",)),
     "hand-written FSDP": (_hand_written_fsdp, ()),
     "NNHandler FSDP": (functools.partial(_nn_handler, strategy="fsdp"), ()),
 }
