@@ -248,7 +248,7 @@ class ParallelExecutor(concurrent.futures.Executor):
                               hint="pass backend='ray' to run on a Ray cluster")
             self.devices = _worker_devices(num_gpus, device_ids)
         else:
-            from .ray_pool import import_ray, ray_devices
+            from .ray_actor import import_ray, ray_devices
 
             check_int("num_gpus", num_gpus, minimum=1, allow_none=True)
             if max_tasks_per_worker is not None or worker_memory_limit is not None:
