@@ -83,13 +83,13 @@ import sys
 
 # None in sys.modules: `import numpy` raises ModuleNotFoundError and
 # importlib.util.find_spec("numpy") returns None, as when it is not installed.
-for name in ("numpy", "matplotlib"):
+for name in ("numpy", "matplotlib", "ray"):
     sys.modules[name] = None
 '''
 
 
 def without_extras_env(tmp_path: Path) -> dict:
-    """Environment for a subprocess where numpy and matplotlib cannot be imported (nor in its children)."""
+    """Environment for a subprocess where numpy, matplotlib and ray cannot be imported (nor in its children)."""
     site = tmp_path / "no_extras_site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_NO_EXTRAS_SITECUSTOMIZE)

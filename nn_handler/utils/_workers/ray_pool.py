@@ -48,6 +48,8 @@ __all__ = ["RayPool"]
 
 # Seconds an actor may take to start, initializer included, when the task timeout is shorter.
 _START_ALLOWANCE = 60.0
+# Seconds shutdown() waits for Ray to have the killed actors dead.
+_STOP_GRACE = 10.0
 # Times a restarted actor is asked whether it is back before its tasks go to it anyway (10 s in all).
 _REVIVE_TRIES = 100
 
@@ -176,7 +178,7 @@ class RayPool:
             if wait:
                 while self._busy():
                     self._idle.wait()
-        self._close_now()
+        self._close_now(wait)
 
     def shutdown_later(self, cancel: bool = False) -> None:
         with self._lock:
@@ -193,7 +195,7 @@ class RayPool:
         """Kill every actor now; calls still running fail with WorkerDiedError."""
         self.shutdown(wait=False)
 
-    def _close_now(self) -> None:
+    def _close_now(self, wait: bool = True) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -206,13 +208,17 @@ class RayPool:
                                                  message="the executor was shut down while the call ran"), died=True)
             self._cancel_queued()
             self._idle.notify_all()
+        gone = []
         for slot in self._slots:
             if slot.actor is not None:
                 try:
                     self._ray.kill(slot.actor, no_restart=True)
+                    gone.append(slot.actor.ready.remote())  # fails once Ray has the actor dead
                 except Exception:
                     pass  # already gone with its node or its Ray
                 slot.actor = None
+        if gone and wait:
+            self._ray.wait(gone, num_returns=len(gone), timeout=_STOP_GRACE)
         self._timer_wake.set()
         self._leave()
 
