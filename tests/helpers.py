@@ -95,3 +95,10 @@ def without_extras_env(tmp_path: Path) -> dict:
     (site / "sitecustomize.py").write_text(_NO_EXTRAS_SITECUSTOMIZE)
     path = [str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(path)}
+
+
+def driver_path_env() -> dict:
+    """A Ray ``runtime_env`` giving its workers this process's ``sys.path`` (as the local pool's workers get it)."""
+    import sys
+
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}

@@ -8,10 +8,11 @@ with ``pytest.importorskip``). It is not called ``tests/ray``: ``tests`` is on
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
+
+from helpers import driver_path_env
 
 # Ray 2.5x asks for a token unless told otherwise; these clusters live inside the test process.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -53,11 +54,6 @@ def ray_processes(pid: int | None = None) -> list[str]:
         if any(name in cmdline for name in RAY_DAEMONS):
             out.append(f"{child}: {cmdline[:120].decode(errors='replace')}")
     return out
-
-
-def driver_path_env() -> dict:
-    """A ``runtime_env`` giving Ray's workers this process's ``sys.path`` (as the local pool's workers get it)."""
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
 
 
 @pytest.fixture(scope="session", autouse=True)

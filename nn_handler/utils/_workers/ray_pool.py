@@ -339,7 +339,10 @@ class RayPool:
             if self._closed or slot.actor is None:
                 return
             try:
-                _, slot.where = done.result()
+                _, where = done.result()
+                if where[:2] == slot.where[:2]:  # the old process answered before it went: not back yet
+                    raise self._ray.exceptions.RayActorError()
+                slot.where = where
             except self._ray.exceptions.RayActorError:
                 if tries < _REVIVE_TRIES:  # Ray is still marking it as restarting: ask again soon
                     timer = threading.Timer(0.1, self._revive_again, args=(slot, tries + 1))
@@ -376,6 +379,7 @@ class RayPool:
                 self._fail(task, failures[0], exceptions.get(failures[0].rank))
             elif status == "died" and _never_sent(error):
                 self._queue.appendleft(task)  # the actor died idle, unseen: the task waits for its restart
+                self._revive(slot)
             elif status == "died":
                 self._fail(task, self._died(slot, error, "the call"), died=True)
                 if not self._closed:
@@ -424,8 +428,35 @@ class RayPool:
             call.exceptions[record.rank] = exc
         call.died = call.died or died
         call.pending -= 1
+        if call.broadcast and died and call.pending:
+            # As the local pool: fail now, not when the others finish, and stop their share of the call
+            # (restarted), so that nothing of a failed call keeps running unseen.
+            for slot in self._slots:
+                if slot.task is not None and slot.task.call is call:
+                    slot.task = slot.deadline = None
+                    self._restart(slot)
+            call.pending = 0
         if call.pending == 0:
             self._finish(call)
+
+    def _restart(self, slot: _Slot) -> None:
+        """Kill the actor of ``slot`` for Ray to restart (initializer again); its next tasks wait for it.
+
+        From a thread of its own: this runs in Ray's callbacks too, and
+        ``ray.kill`` called there waits for the thread it is called from.
+        """
+        slot.reviving = True
+        threading.Thread(target=self._kill_and_revive, args=(slot, slot.actor), daemon=True,
+                         name="nn_handler-ray-restart").start()
+
+    def _kill_and_revive(self, slot: _Slot, actor) -> None:
+        try:
+            self._ray.kill(actor, no_restart=False)
+        except Exception:
+            pass  # gone with its node: Ray restarts it elsewhere
+        with self._lock:
+            if not self._closed and slot.actor is actor:
+                self._revive(slot)
 
     def _finish(self, call: _Call) -> None:
         call.done = True
@@ -465,17 +496,10 @@ class RayPool:
                             host=slot.where[2], message=f"still running after the {task.call.timeout:g}s timeout; "
                                                         f"actor restarted"))
                         stuck.append(slot)
-            for slot in stuck:
-                # Killed and restarted by Ray (initializer again); queued tasks wait for it.
-                try:
-                    self._ray.kill(slot.actor, no_restart=False)
-                except Exception:
-                    pass  # gone with its node: Ray restarts it elsewhere
-                with self._lock:
-                    if not self._closed:
-                        self._revive(slot)
             if stuck:
                 with self._lock:
+                    for slot in stuck:
+                        self._restart(slot)  # stuck: replaced rather than waited for
                     if not self._busy():
                         self._idle.notify_all()
 
