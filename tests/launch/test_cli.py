@@ -271,8 +271,8 @@ def test_info_in_process_text_and_json():
     assert out.getvalue().startswith(f"nn_handler {nn_handler.__version__}\n")
     out = io.StringIO()
     assert _cli.main(["info", "--json"], out=out) == 0
-    assert set(json.loads(out.getvalue())) == {"versions", "platform", "cuda", "backends", "launch", "workers",
-                                               "warnings"}
+    assert set(json.loads(out.getvalue())) == {"versions", "platform", "cuda", "backends", "launch", "ray",
+                                               "workers", "warnings"}
 
 
 def test_python_m_info_json_reports_the_launch_environment():
