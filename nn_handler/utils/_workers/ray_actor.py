@@ -133,12 +133,16 @@ class DeviceActor:
         """``(failure or None, where)`` once the initializer has run."""
         return self.init_failure, self.where
 
-    def call(self, fn_message: tuple, kind: str, payload):
-        """Run one task: ``("ok", result, where)`` or ``("err", (record, exception bytes), where)``."""
+    def call(self, fn_message: tuple, kind: str, payload: bytes):
+        """Run one task: ``("ok", result, where)`` or ``("err", (record, exception bytes), where)``.
+
+        ``payload`` is the pickled ``(args, kwargs)`` of a ``run``, or a chunk of items of a ``map``.
+        """
         if self.init_failure is not None:
             return "err", self.init_failure, self.where
         try:
             fn = _transport.load_function(fn_message, self.functions)
+            payload = _transport.loads(payload)
             if kind == "run":
                 args, kwargs = payload
                 result = self._call(fn, args, kwargs)

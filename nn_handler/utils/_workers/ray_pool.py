@@ -48,6 +48,9 @@ __all__ = ["RayPool"]
 
 # Seconds an actor may take to start, initializer included, when the task timeout is shorter.
 _START_ALLOWANCE = 60.0
+# Largest payload (bytes) sent inside a task rather than through Ray's object store: Ray's own limit
+# for arguments it inlines (max_direct_call_object_size).
+_INLINE_BYTES = 100 * 1024
 # Seconds shutdown() waits for Ray to have the killed actors dead.
 _STOP_GRACE = 10.0
 # Times a restarted actor is asked whether it is back before its tasks go to it anyway (10 s in all).
@@ -260,7 +263,7 @@ class RayPool:
             self.start()
         payload = self._put((args, kwargs))
         call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True, fail_fast=fail_fast)
-        call.fn_ref = self._ray.put(_message(fn_blob))
+        call.fn_ref = self._inline_or_put(_message(fn_blob), len(fn_blob.body))
         self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
         try:
             return call.future.result()
@@ -272,7 +275,7 @@ class RayPool:
         """Queue one task per object (``"run"``: ``(args, kwargs)``; ``"map"``: a chunk) for any free actor."""
         if not self._started:
             self.start()
-        fn_ref = self._ray.put(_message(fn_blob))
+        fn_ref = self._inline_or_put(_message(fn_blob), len(fn_blob.body))
         calls, tasks = [], []
         for obj in objs:
             call = _Call(fn_id, kind, fn_blob, name, timeout, Future())
@@ -283,10 +286,17 @@ class RayPool:
         return [call.future for call in calls]
 
     def _put(self, obj):
+        """``obj`` pickled as the local pool pickles it: the bytes, or a reference to them in Ray's object store."""
         try:
-            return self._ray.put(obj)
+            data, _ = self.functions.dumps(obj)  # no shared memory here: tensors travel inside the bytes
         except Exception as exc:  # the executor then names the argument that cannot be pickled
             raise PayloadPicklingError(str(exc)) from exc
+        return self._inline_or_put(data, len(data))
+
+    def _inline_or_put(self, value, size: int):
+        # Small values go inside the task, as Ray does for arguments itself (a put costs about a
+        # millisecond); a large one is put once, and every actor of a run reads that one copy.
+        return value if size < _INLINE_BYTES else self._ray.put(value)
 
     def _enqueue(self, calls: list[_Call], tasks: list[_Task]) -> None:
         with self._lock:
