@@ -1,6 +1,6 @@
 """The Ray backend against the local pool and against Ray actors written by hand, in one run.
 
-    python benchmarks/bench_ray.py              # 30 warm calls, 10 large results per peer
+    python benchmarks/bench_ray.py              # 200 warm calls, 15 large results per peer
     python benchmarks/bench_ray.py --quick      # fewer repetitions
 
 Two workers each (CPU: this benchmark runs anywhere). Peers:
@@ -10,7 +10,7 @@ Two workers each (CPU: this benchmark runs anywhere). Peers:
 - ``actors``: two plain ``@ray.remote`` actors, called as a Ray user writes it by hand
   (``ray.get([a.f.remote(x) for a in actors])``): the floor the Ray backend is held to.
 
-Rows: a warm broadcast call (one tiny task per worker, the round trip),
+Rows (the peers take turns call by call): a warm broadcast call (one tiny task per worker, the round trip),
 and a 64 MiB tensor per worker coming back (a fresh tensor per call, as a real
 result is). Median and min over the repeats, in milliseconds; the last column
 is the Ray backend over the hand-written actors (target: within 1.2x).
@@ -51,21 +51,24 @@ class HandWritten:
         return torch.ones(RESULT_ELEMENTS)
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    fn()  # warm: first call, caches, lazy imports
-    times = []
+def timed(fns: dict, repeats: int) -> dict:
+    """Median and min milliseconds per peer; the peers take turns, so that load on the machine hits all alike."""
+    for fn in fns.values():
+        fn()  # warm: first call, caches, lazy imports
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times), min(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     opts = parser.parse_args()
-    calls, bigs = (10, 4) if opts.quick else (30, 10)
+    calls, bigs = (20, 4) if opts.quick else (200, 15)
 
     # 4 logical CPUs: both pairs of actors live at once (one CPU each); only one pair works at a time.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -74,15 +77,19 @@ def main() -> None:
         "local": ParallelExecutor(device_ids=["cpu", "cpu"]).start(),
         "ray": ParallelExecutor(device_ids=["cpu", "cpu"], backend="ray"),
     }
-    rows = {"warm run (2 x tiny)": {}, "64 MiB result (2 x)": {}}
+    local, ours = peers["local"], peers["ray"]
+    rows = {}
     try:
-        # Interleaved per row, so that a burst of load on the machine hits every peer alike.
-        for peer, ex in peers.items():
-            rows["warm run (2 x tiny)"][peer] = timed(lambda: ex.run(tiny, 1), calls)
-        rows["warm run (2 x tiny)"]["actors"] = timed(lambda: ray.get([a.tiny.remote(1) for a in actors]), calls)
-        for peer, ex in peers.items():
-            rows["64 MiB result (2 x)"][peer] = timed(lambda: ex.run(big), bigs)
-        rows["64 MiB result (2 x)"]["actors"] = timed(lambda: ray.get([a.big.remote() for a in actors]), bigs)
+        rows["warm run (2 x tiny)"] = timed({
+            "local": lambda: local.run(tiny, 1),
+            "ray": lambda: ours.run(tiny, 1),
+            "actors": lambda: ray.get([a.tiny.remote(1) for a in actors]),
+        }, calls)
+        rows["64 MiB result (2 x)"] = timed({
+            "local": lambda: local.run(big),
+            "ray": lambda: ours.run(big),
+            "actors": lambda: ray.get([a.big.remote() for a in actors]),
+        }, bigs)
     finally:
         for ex in peers.values():
             ex.shutdown()

@@ -264,8 +264,17 @@ class RayPool:
         payload = self._put((args, kwargs))
         call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True, fail_fast=fail_fast)
         call.fn_ref = self._inline_or_put(_message(fn_blob), len(fn_blob.body))
+        # This thread waits on the replies of the tasks it sends itself (ray.wait): a reply then costs
+        # no hop through a thread of Ray's and a concurrent Future, about a third of a warm call.
+        call.owner, call.direct = threading.get_ident(), []
         self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
         try:
+            while call.direct:
+                refs = [ref for _, _, ref in call.direct]
+                ready, _ = self._ray.wait(refs, num_returns=1)
+                for slot, task, ref in [d for d in call.direct if d[2] in ready]:
+                    call.direct.remove((slot, task, ref))
+                    self._settle(slot, task, lambda ref=ref: self._ray.get(ref))
             return call.future.result()
         except KeyboardInterrupt:
             self.terminate()
@@ -325,7 +334,10 @@ class RayPool:
                 slot.task = task
                 slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
                 ref = slot.actor.call.remote(call.fn_ref, call.kind, task.payload)
-                ref.future().add_done_callback(lambda f, slot=slot, task=task: self._settle(slot, task, f))
+                if getattr(call, "owner", None) == threading.get_ident():
+                    call.direct.append((slot, task, ref))  # its caller waits on it (run)
+                else:
+                    ref.future().add_done_callback(lambda f, slot=slot, task=task: self._settle(slot, task, f.result))
                 if slot.deadline is not None:
                     self._timer_wake.set()
 
@@ -366,10 +378,14 @@ class RayPool:
             if not self._busy():
                 self._idle.notify_all()
 
-    def _settle(self, slot: _Slot, task: _Task, done: Future) -> None:
-        """An actor's reply or death (a thread of Ray's): resolve the task, give the actor its next one."""
+    def _settle(self, slot: _Slot, task: _Task, outcome) -> None:
+        """An actor's reply or death: resolve the task, give the actor its next one.
+
+        ``outcome()`` returns the reply or raises; called by a thread of Ray's
+        (a ref's future is done) or by the caller of a run, which waits itself.
+        """
         try:
-            status, body, where = done.result()
+            status, body, where = outcome()
             error = None
         except self._ray.exceptions.RayActorError as exc:
             status, error = "died", exc
