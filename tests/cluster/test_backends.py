@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 
@@ -123,6 +124,12 @@ def test_exception_comes_back_typed_with_remote_traceback(executor):
         assert error.failures[0].node == ray.get_runtime_context().get_node_id()
         assert f"host {socket.gethostname()}" in str(error)
     assert executor.run(lambda device: 1) == [1, 1]  # still usable
+
+
+def test_an_argument_that_cannot_be_pickled_is_named(executor):
+    with pytest.raises(TypeError, match="positional argument 0 of <lambda> \\(lock\\) cannot be pickled"):
+        executor.run(lambda x, device: x, threading.Lock())
+    assert executor.submit(lambda device: 2).result() == 2
 
 
 def test_timeout_fails_the_call_and_the_next_one_runs(fresh):
