@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any, Callable, Mapping, TextIO
 
+from . import _sysinfo
+
 __all__ = ["main"]
 
 # torchrun's port when none is given: two jobs on one node that both rely on
@@ -37,40 +39,6 @@ _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0", ""}
 
 
 # ----------------------------------------------------------------------------- info
-def _version(module_name: str) -> str | None:
-    try:
-        module = __import__(module_name)
-    except ImportError:
-        return None
-    return str(getattr(module, "__version__", "unknown"))
-
-
-def _cuda_report() -> dict[str, Any]:
-    import torch
-
-    report: dict[str, Any] = {"available": False, "build": torch.version.cuda, "devices": []}
-    if not torch.cuda.is_available():
-        return report
-    report["available"] = True
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        report["devices"].append({
-            "index": i,
-            "name": props.name,
-            "total_memory_gib": round(props.total_memory / 2**30, 2),
-            "capability": f"{props.major}.{props.minor}",
-        })
-    return report
-
-
-def _backends() -> dict[str, bool]:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return {"nccl": False, "gloo": False, "mpi": False}
-    return {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(), "mpi": dist.is_mpi_available()}
-
-
 def _is_local(host: str | None) -> bool:
     if host is None or host in _LOCAL_HOSTS or host.startswith("127."):
         return True
@@ -192,21 +160,6 @@ def find_traps(environ: Mapping[str, str], launch: Any, launch_error: str | None
     return traps
 
 
-def _shm_bytes() -> int | None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_blocks * st.f_frsize
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything ``info`` prints, as plain data (what ``info --json`` prints).
 
@@ -215,7 +168,7 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     Returns:
         A dict with ``versions``, ``platform``, ``cuda``, ``backends``,
-        ``launch``, ``workers`` and ``warnings``. ``launch`` is the detected
+        ``launch``, ``ray``, ``workers`` and ``warnings``. ``launch`` is the detected
         :class:`~nn_handler.utils._env.LaunchEnv` as a dict (plus
         ``slurm_job_without_srun``: job id and tasks, for a plain process in a
         SLURM allocation of several tasks), or ``{"error": why}`` when the
@@ -237,9 +190,9 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         launch = detect_launch_env(environ)
     except LaunchEnvironmentError as exc:
         launch_error = str(exc)
-    cuda = _cuda_report()
-    backends = _backends()
-    shm = _shm_bytes()
+    cuda = _sysinfo.cuda_report()
+    backends = _sysinfo.backends()
+    shm = _sysinfo.shm_bytes()
     traps = find_traps(environ, launch, launch_error, cuda_initialized=cuda_initialized,
                        cuda_count=len(cuda["devices"]), nccl=backends["nccl"], shm_bytes=shm)
     launch_info: dict[str, Any] = dataclasses.asdict(launch) if launch is not None else {"error": launch_error}
@@ -254,14 +207,15 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             "nn_handler": __version__,
             "python": platform.python_version(),
             "torch": str(torch.__version__),
-            "cloudpickle": _version("cloudpickle"),
-            "numpy": _version("numpy"),
+            "cloudpickle": _sysinfo.version("cloudpickle"),
+            "numpy": _sysinfo.version("numpy"),
         },
         "platform": {"system": platform.platform(), "executable": sys.executable, "hostname": socket.gethostname(),
-                     "cpus": _cpu_count()},
+                     "cpus": _sysinfo.cpu_count()},
         "cuda": cuda,
         "backends": backends,
         "launch": launch_info,
+        "ray": _sysinfo.ray_report(environ),
         "workers": {"start_method": "forkserver" if "forkserver" in methods else "spawn",
                     "shm_gib": None if shm is None else round(shm / 2**30, 2)},
         "warnings": traps,
@@ -303,6 +257,8 @@ def format_info(info: Mapping[str, Any]) -> str:
                   if launch["master_addr"] is not None and launch["master_port"] is not None else "unknown")
         lines.append(f"launch         {launch['launcher']}: rank {launch['rank']} of {launch['world_size']}, "
                      f"local rank {launch['local_rank']}, master {master}")
+    if "ray" in info:  # absent from reports made before it was added
+        lines.append(_sysinfo.format_ray(info["ray"]))
     w = info["workers"]
     shm = "absent" if w["shm_gib"] is None else f"{w['shm_gib']:.1f} GiB"
     lines.append(f"workers        started by {w['start_method']}; /dev/shm {shm}")

@@ -94,6 +94,8 @@ class RankFailure:
         message: ``str()`` of the exception, or a description of the death.
         traceback: The formatted remote traceback, or ``""``.
         exitcode: The process exit code when it died (negative: a signal).
+        node: The cluster node it ran on (a Ray node id), or ``""`` on this machine.
+        host: The host name of that node, or ``""`` on this machine.
     """
 
     rank: int
@@ -103,6 +105,8 @@ class RankFailure:
     message: str = ""
     traceback: str = ""
     exitcode: int | None = None
+    node: str = ""
+    host: str = ""
 
     @property
     def died(self) -> bool:
@@ -111,7 +115,10 @@ class RankFailure:
 
     def headline(self, what: str = "call") -> str:
         """One line saying what failed and where, e.g. ``"f failed on rank 1 (cpu, pid 42): ValueError: bad"``."""
-        where = f"rank {self.rank} ({self.device}" + (f", pid {self.pid})" if self.pid else ")")
+        where = f"rank {self.rank} ({self.device}" + (f", pid {self.pid}" if self.pid else "")
+        if self.host or self.node:
+            where += f", host {self.host or '?'}, node {self.node[:12] or '?'}"
+        where += ")"
         if self.died:
             return f"{what} died on {where}: {self.message or describe_exit(self.exitcode)}"
         return f"{what} failed on {where}: {self.exc_type}: {self.message}"

@@ -83,15 +83,22 @@ import sys
 
 # None in sys.modules: `import numpy` raises ModuleNotFoundError and
 # importlib.util.find_spec("numpy") returns None, as when it is not installed.
-for name in ("numpy", "matplotlib"):
+for name in ("numpy", "matplotlib", "ray"):
     sys.modules[name] = None
 '''
 
 
 def without_extras_env(tmp_path: Path) -> dict:
-    """Environment for a subprocess where numpy and matplotlib cannot be imported (nor in its children)."""
+    """Environment for a subprocess where numpy, matplotlib and ray cannot be imported (nor in its children)."""
     site = tmp_path / "no_extras_site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_NO_EXTRAS_SITECUSTOMIZE)
     path = [str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(path)}
+
+
+def driver_path_env() -> dict:
+    """A Ray ``runtime_env`` giving its workers this process's ``sys.path`` (as the local pool's workers get it)."""
+    import sys
+
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}

@@ -118,6 +118,21 @@ def test_collect_info_reads_the_given_environment():
     assert any(w.startswith("the launch environment is invalid") for w in broken["warnings"])
 
 
+def test_info_reports_ray_and_the_cluster_it_would_join_without_starting_it(monkeypatch):
+    had_ray = "ray" in sys.modules
+    info = _cli.collect_info({"RAY_ADDRESS": "ray://head:10001"})
+    assert info["ray"]["address"] == "ray://head:10001"
+    assert ("ray" in sys.modules) == had_ray  # looked up among the installed packages, not imported
+    text = _cli.format_info(info)
+    if info["ray"]["version"] is None:
+        assert "ray            not installed" in text and "nn_handler[ray]" in text
+    else:
+        assert f"ray            {info['ray']['version']}; joins the cluster at RAY_ADDRESS=ray://head:10001" in text
+    assert _cli.collect_info({})["ray"]["address"] is None
+    monkeypatch.setattr(_cli._sysinfo, "ray_report", lambda environ: {"version": None, "address": None})
+    assert "backend='ray' needs pip install 'nn_handler[ray]'" in _cli.format_info(_cli.collect_info({}))
+
+
 @pytest.mark.parametrize("environ, variable", [
     ({"RANK": "", "WORLD_SIZE": "2"}, "RANK must be an integer, got ''"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
@@ -256,8 +271,8 @@ def test_info_in_process_text_and_json():
     assert out.getvalue().startswith(f"nn_handler {nn_handler.__version__}\n")
     out = io.StringIO()
     assert _cli.main(["info", "--json"], out=out) == 0
-    assert set(json.loads(out.getvalue())) == {"versions", "platform", "cuda", "backends", "launch", "workers",
-                                               "warnings"}
+    assert set(json.loads(out.getvalue())) == {"versions", "platform", "cuda", "backends", "launch", "ray",
+                                               "workers", "warnings"}
 
 
 def test_python_m_info_json_reports_the_launch_environment():

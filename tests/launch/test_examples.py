@@ -32,7 +32,8 @@ def run_example(name: str, *args: str, torchrun: bool = False, env: dict | None 
 
 
 TESTED = {"quickstart.py", "process_on_gpu.py", "matrix_multiply.py", "executor_context.py", "checkpoint_rank0.py",
-          "train_ddp.py", "predict.py", "ddp_init.py"}
+          "train_ddp.py", "predict.py", "ddp_init.py",
+          "ray_train.py"}  # needs Ray: run by tests/cluster/test_ray_train.py
 
 
 def test_every_example_has_a_smoke_test():

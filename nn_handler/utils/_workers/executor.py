@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable, Iterator, ParamSpec, Sequence, TypeV
 
 import cloudpickle
 
-from ..._checks import check_int, check_number
-from ...errors import DeviceError
+from ..._checks import check_choice, check_int, check_number, invalid
+from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .transport import Encoder, PackedFunction
@@ -213,6 +213,16 @@ class ParallelExecutor(concurrent.futures.Executor):
         worker_memory_limit: Replace a worker whose memory after a task is
             above this many bytes (resident set on the CPU,
             ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+        backend: ``"local"``: worker processes on this machine. ``"ray"``:
+            one Ray actor per device anywhere in a Ray cluster (``num_gpus=1``
+            each for GPUs, ``num_cpus=1`` for ``"cpu"`` workers; Ray picks the
+            GPU, so ``device_ids`` lists ``"cuda"`` or ``"cpu"``, and all the
+            cluster's GPUs by default). Needs ``pip install 'nn_handler[ray]'``.
+        address: With ``backend="ray"``, the cluster as ``ray.init`` takes
+            it (``"auto"``, ``"ray://host:10001"``); ``None``: the Ray this
+            process already uses, else a new local one. A Ray the executor
+            started or connected to ends (or is let go) with it; a cluster is
+            left running, only its actors end.
 
     Example:
         >>> def double(x, device):
@@ -229,8 +239,26 @@ class ParallelExecutor(concurrent.futures.Executor):
     def __init__(self, num_gpus: int | None = None, pass_device: bool = True, *,
                  device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
                  initializer: Callable[..., Any] | None = None, initargs: tuple = (),
-                 max_tasks_per_worker: int | None = None, worker_memory_limit: int | None = None):
-        self.devices = _worker_devices(num_gpus, device_ids)
+                 max_tasks_per_worker: int | None = None, worker_memory_limit: int | None = None,
+                 backend: str = "local", address: str | None = None):
+        check_choice("backend", backend, ("local", "ray"))
+        if backend == "local":
+            if address is not None:
+                raise invalid("address", "None with backend='local'", address,
+                              hint="pass backend='ray' to run on a Ray cluster")
+            self.devices = _worker_devices(num_gpus, device_ids)
+        else:
+            from .ray_actor import import_ray, ray_devices
+
+            check_int("num_gpus", num_gpus, minimum=1, allow_none=True)
+            if max_tasks_per_worker is not None or worker_memory_limit is not None:
+                raise ConfigurationError("max_tasks_per_worker and worker_memory_limit work with backend='local' "
+                                         "only; with backend='ray' leave them None")
+            if address is not None and not isinstance(address, str):
+                raise invalid("address", "None or a Ray address such as 'auto' or 'ray://host:10001'", address)
+            ray_kinds = ray_devices(num_gpus, device_ids)
+            import_ray()  # before anything else: without Ray, say which extra brings it
+        self.backend = backend
         self.timeout = _check_timeout(timeout)
         self.pass_device = bool(pass_device)
         check_int("max_tasks_per_worker", max_tasks_per_worker, minimum=1, allow_none=True)
@@ -246,9 +274,16 @@ class ParallelExecutor(concurrent.futures.Executor):
                 _pickle_call(initializer, self.pass_device)
                 _check_picklable(tuple(initargs), {}, initializer)
                 raise
-        self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
-                                threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout,
-                                max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
+        if backend == "ray":
+            from .ray_pool import RayPool
+
+            self._pool = RayPool(ray_kinds, pass_device=self.pass_device, init_blob=init_blob, address=address,
+                                 start_timeout=self.timeout)
+            self.devices = self._pool.devices
+        else:
+            self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
+                                    threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout,
+                                    max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
         # Workers end with the executor even if it is dropped without shutdown(),
         # and at interpreter exit without waiting for a daemon thread's call.
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)

@@ -15,8 +15,9 @@ import threading
 import warnings
 from typing import Any, Callable, Protocol, Sequence, cast, overload
 
-from ..._checks import check_number
+from ..._checks import check_choice, check_int, check_number, invalid
 from .executor import P, R, ParallelExecutor, _check_timeout, _worker_devices
+from .ray_actor import import_ray, ray_devices
 
 __all__ = ["parallelize_on_gpus", "ParallelFunction"]
 
@@ -120,12 +121,13 @@ def parallelize_on_gpus(num_gpus: Callable[P, R]) -> ParallelFunction[P, R]: ...
 @overload
 def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
+                        keep_alive: float = 60, backend: str = "local",
+                        address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 
 
 def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60) -> Any:
+                        keep_alive: float = 60, backend: str = "local", address: str | None = None) -> Any:
     """Run the decorated function on every GPU at once; the call returns one result per GPU.
 
     Repeated calls reuse one warm pool, shut down after ``keep_alive`` idle
@@ -138,6 +140,9 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         device_ids: Which devices, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
         timeout: Seconds per call.
         keep_alive: Idle seconds before the warm pool shuts down.
+        backend: ``"local"`` (worker processes here) or ``"ray"`` (one Ray
+            actor per device; see :class:`~nn_handler.ParallelExecutor`).
+        address: The Ray cluster with ``backend="ray"`` (as ``ray.init`` takes it).
 
     Returns:
         The decorator (used bare: the decorated function). The decorated
@@ -156,8 +161,19 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         # Used bare: @parallelize_on_gpus
         return parallelize_on_gpus()(num_gpus)
     check_number("keep_alive", keep_alive, strict=False, unit="seconds")
+    check_choice("backend", backend, ("local", "ray"))
     # Validate now so a bad configuration fails at decoration, not at first call.
-    devices = tuple(_worker_devices(num_gpus, device_ids))
+    if backend == "ray":
+        # The cluster is not asked yet (it may not be up at import): its GPUs are counted at first call.
+        check_int("num_gpus", num_gpus, minimum=1, allow_none=True)
+        kinds = ray_devices(num_gpus, device_ids)
+        devices = None if kinds is None else tuple(kinds)
+        import_ray()
+    else:
+        if address is not None:
+            raise invalid("address", "None with backend='local'", address,
+                          hint="pass backend='ray' to run on a Ray cluster")
+        devices = tuple(_worker_devices(num_gpus, device_ids))
     _check_timeout(timeout)
 
     def decorate(func: Callable[P, R]) -> ParallelFunction[P, R]:
@@ -167,9 +183,12 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         def make() -> ParallelExecutor:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # already warned at decoration
+                if backend == "ray":
+                    return ParallelExecutor(num_gpus, pass_device, device_ids=None if devices is None else
+                                            list(devices), timeout=timeout, backend="ray", address=address)
                 return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout)
 
-        key = (devices, pass_device, timeout)
+        key = (devices, pass_device, timeout, backend, address)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> list[R]:

@@ -135,6 +135,17 @@ def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[Rank
     return record, blob
 
 
+def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_device: bool):
+    """Call ``fn`` with ``device`` where its signature takes it (``position``: a positional slot, else by keyword)."""
+    fn, position = fn_and_position
+    if not pass_device:
+        return fn(*args, **kwargs)
+    if position is not None and len(args) > position:
+        # def f(device, data) called with (data,): the device takes its slot
+        return fn(*args[:position], device, *args[position:], **kwargs)
+    return fn(*args, **kwargs, device=device)
+
+
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
                 shm_prefix: str | None, parent_pid: int) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`)."""
@@ -151,13 +162,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     encoder = _transport.Encoder(shm_prefix, to_cpu=True)
 
     def call(fn_and_position, args, kwargs):
-        fn, position = fn_and_position
-        if not pass_device:
-            return fn(*args, **kwargs)
-        if position is not None and len(args) > position:
-            # def f(device, data) called with (data,): the device takes its slot
-            return fn(*args[:position], device, *args[position:], **kwargs)
-        return fn(*args, **kwargs, device=device)
+        return call_with_device(fn_and_position, args, kwargs, device, pass_device)
 
     try:
         if device.type == "cuda":

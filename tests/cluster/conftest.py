@@ -1,0 +1,81 @@
+"""Ray clusters for the tests of backend="ray": one Ray per test module, nothing of Ray left at the end.
+
+The directory is skipped where Ray is not installed (each module asks for it
+with ``pytest.importorskip``). It is not called ``tests/ray``: ``tests`` is on
+``sys.path``, and a ``ray`` directory there would shadow the ``ray`` package.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from helpers import driver_path_env
+
+# Ray 2.5x asks for a token unless told otherwise; these clusters live inside the test process.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RAY_DAEMONS = (b"raylet", b"gcs_server", b"dashboard", b"log_monitor", b"monitor.py", b"runtime_env_agent",
+               b"default_worker", b"ray::")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid``."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] not in ("Z", "X"):
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ray_processes(pid: int | None = None) -> list[str]:
+    """Command lines of the Ray daemons and workers below this process."""
+    out = []
+    for child in descendants(os.getpid() if pid is None else pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if any(name in cmdline for name in RAY_DAEMONS):
+            out.append(f"{child}: {cmdline[:120].decode(errors='replace')}")
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_ray_left():
+    """At the end of the session no Ray daemon or worker started by it is still running."""
+    yield
+    deadline = time.monotonic() + 15
+    left = ray_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = ray_processes()
+    assert not left, f"Ray processes left running after the tests: {left}"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray with 4 CPUs and 2 fake GPUs for the module, shut down after it."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized(), "a previous module left Ray initialised"
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, runtime_env=driver_path_env(),
+             log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
