@@ -124,10 +124,20 @@ class RankFailure:
         return f"{what} failed on {where}: {self.exc_type}: {self.message}"
 
 
+# What gloo says on a rank whose peer's process went away: never the root cause.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+
+
+def _likely_cause_first(f: "RankFailure") -> tuple[int, int]:
+    # An exception raised by user code explains more than a worker that was
+    # torn down afterwards, and a death explains its peers' broken connections.
+    if f.died:
+        return 1, f.rank
+    return (2 if any(text in f.message for text in _PEER_GONE) else 0), f.rank
+
+
 def _render(failures: tuple[RankFailure, ...], what: str) -> str:
-    # Root cause first: an exception raised by user code explains more than a
-    # worker that was torn down afterwards.
-    ordered = sorted(failures, key=lambda f: (f.died, f.rank))
+    ordered = sorted(failures, key=_likely_cause_first)
     lines = [ordered[0].headline(what)]
     if len(ordered) > 1:
         lines.append(f"{len(ordered)} ranks failed; in order of likely cause:")
@@ -183,7 +193,7 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
     """
 
     def __init__(self, failures, exceptions=None, function: str = "call"):
-        self.failures = tuple(sorted(failures, key=lambda f: (f.died, f.rank)))
+        self.failures = tuple(sorted(failures, key=_likely_cause_first))
         self.exceptions = dict(exceptions or {})
         self.function = function
         # BaseException's own __init__, as RankFailedError does: see there.

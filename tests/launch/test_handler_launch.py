@@ -74,9 +74,13 @@ def test_launch_names_a_rank_that_died():
             os._exit(3)
         dist.barrier()  # rank 0 waits for the dead one: it is killed, not reported
 
+    # Rank 0's barrier fails at once ("Connection reset by peer"), sometimes before the pool has seen
+    # rank 1 die: the death is still the error, and comes first; rank 0's error, if it came, follows.
     with pytest.raises(WorkerDiedError) as info:
         NNHandler.launch(body, nprocs=2, timeout=100)
-    assert [(f.rank, f.exitcode) for f in info.value.failures] == [(1, 3)]
+    first, *rest = info.value.failures
+    assert (first.rank, first.exitcode) == (1, 3)
+    assert [f.rank for f in rest] in ([], [0])
 
 
 def test_launch_kills_a_hung_rank_at_the_deadline_and_names_it():

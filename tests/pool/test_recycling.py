@@ -71,6 +71,23 @@ def test_worker_memory_limit_replaces_a_worker_that_grew():
         assert after[0] != grown and after[1] == 1 and not pids_alive([grown])
 
 
+def _big_result(megabytes):
+    import torch
+
+    return os.getpid(), torch.ones(megabytes << 18)  # touched: resident until it is sent
+
+
+def test_worker_memory_limit_does_not_count_a_result_already_sent():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    limit = baseline + (128 << 20)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=limit) as ex:
+        pid, big = ex.submit(_big_result, 256).result(timeout=60)
+        assert big.shape == (256 << 18,) and float(big[-1]) == 1.0
+        del big
+        assert ex.submit(_count).result(timeout=60)[0] == pid  # the worker holds nothing above the limit: kept
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"max_tasks_per_worker": 0}, "max_tasks_per_worker must be an int >= 1 or None, got 0"),
     ({"worker_memory_limit": -5}, "worker_memory_limit must be an int >= 1 or None, got -5"),

@@ -56,6 +56,9 @@ from .worker import main_module_hidden
 
 __all__ = ["launch", "run_ranks"]
 
+# Seconds the launcher still listens after a rank's failure, for a peer's death that caused it.
+_DEATH_GRACE = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
@@ -174,6 +177,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
                 break  # the deadline: the ranks still running are killed below
             outcomes[rank] = outcome
             if fail_fast and outcome is not None and outcome.failure is not None:
+                _collect_deaths(replies, outcomes, deadline)
                 break
     finally:
         # Whatever ended the wait (done, a failure, the deadline, Ctrl-C): no rank outlives the call.
@@ -182,6 +186,27 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
         for thread in threads:
             thread.join(30)
     return outcomes
+
+
+def _collect_deaths(replies: queue.Queue, outcomes: list, deadline: float | None) -> None:
+    """After a first failure, take the deaths the other ranks report within a short grace.
+
+    A rank that dies makes its peers' collectives fail at once ("Connection
+    reset by peer"), and that error can reach us a moment before the pool has
+    seen the death: the dead rank is the cause, and must not be lost to the race.
+    """
+    end = time.monotonic() + _DEATH_GRACE
+    if deadline is not None:
+        end = min(end, deadline)
+    waiting = outcomes.count(None)
+    while waiting and (left := end - time.monotonic()) > 0:
+        try:
+            rank, outcome = replies.get(timeout=left)
+        except queue.Empty:
+            return
+        waiting -= 1
+        if outcome is not None and outcome.failure is not None and outcome.failure.died:
+            outcomes[rank] = outcome  # a peer's own error is left out: fail-fast reports the cause alone
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
@@ -195,7 +220,8 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
         ParallelExecutionError: ``fn`` raised on a rank (the first one, named).
         CollectiveStallError: A rank waited in a collective for a rank that did not come (see
             ``initialize_ddp``'s ``stall_timeout``).
-        WorkerDiedError: A rank's process died.
+        WorkerDiedError: A rank's process died (the errors its death caused in its peers, if they
+            came within a second, are in ``failures`` too).
         ExecutorTimeoutError: The call ran past ``timeout`` (a ``TimeoutError``).
         ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
     """
@@ -215,7 +241,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
     if failed:
         failures = [o.failure for o in failed.values()]
         exceptions = {rank: o.exception for rank, o in failed.items() if o.exception is not None}
-        cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
+        cls = WorkerDiedError if any(f.died for f in failures) else ParallelExecutionError
         error = cls(failures, exceptions, function=name)
         # A stall is the caller's to handle by type: raise it, with the ranks' records as its cause.
         stalls = [exc for exc in exceptions.values() if isinstance(exc, CollectiveStallError)]

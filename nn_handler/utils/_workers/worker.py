@@ -231,6 +231,10 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 return
             reply = ("err", call_id, failure)
         conn.send_bytes(pickle.dumps(reply))
+        # Let go of the task now, not when the next one comes: a large
+        # result is freed while the caller maps it (not in the next call's
+        # time), and the memory probe (worker_memory_limit) does not count it.
+        message = payload_blob = payload = args = kwargs = result = body = reply = failure = None
 
 
 def memory_in_use(device) -> int:
