@@ -10,18 +10,23 @@ the GPU Ray gave the worker; no second group is created. Needs
 ``pip install 'nn_handler[ray]' 'ray[train]'``.
 """
 
+# needs-extra: ray (the newcomer CI path, which installs no extras, skips this example)
 import argparse
 import os
 import tempfile
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray for this example only
 
-import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
 from torch import nn  # noqa: E402
+
+try:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+except ImportError as exc:
+    raise SystemExit(f"this example needs Ray Train ({exc}): pip install 'nn_handler[ray]' 'ray[train]'") from None
 
 from nn_handler import NNHandler, initialize_ddp  # noqa: E402
 

@@ -138,3 +138,14 @@ def test_predict():
 def test_ddp_init_plain_python():
     out = run_example("ddp_init.py")
     assert "not distributed; running on " in out and re.search(r"rank 0: one step done, loss -?\d+\.\d+", out)
+
+
+def test_an_example_that_needs_an_extra_says_which_and_is_marked_for_the_newcomer_path(tmp_path):
+    # .ci/newcomer runs every example with no extras, except those marked "# needs-extra:".
+    needing = {p.name for p in EXAMPLES.glob("*.py") if "import ray" in p.read_text()}
+    marked = {p.name for p in EXAMPLES.glob("*.py") if re.search(r"^# needs-extra: ", p.read_text(), re.M)}
+    assert needing == marked == {"ray_train.py"}
+    result = run_command([sys.executable, str(EXAMPLES / "ray_train.py")], timeout=120,
+                         env=without_extras_env(tmp_path))
+    assert result.returncode == 1
+    assert "pip install 'nn_handler[ray]' 'ray[train]'" in result.stdout
