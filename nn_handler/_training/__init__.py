@@ -16,7 +16,10 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     metrics.py     the epoch's sums, one all-reduce, non-finite losses
     evaluation.py  evaluate and predict, every sample exactly once
     resume.py      what a checkpoint holds, and how a run starts and resumes
-    preemption.py  SIGTERM -> a checkpoint and a clean exit
+    uneven.py      ranks whose data runs out at different steps: one clear error
+    preemption.py  SIGTERM (or max_time) -> a checkpoint and a clean exit
+    sharding.py    strategy="fsdp": fully_shard by a wrap policy, mixed precision
+    sharded_checkpoint.py  DCP checkpoint directories, committed atomically; export_model
     progress.py    the tqdm bar of an epoch
     lifetime.py    trainers still holding a process group are closed at exit
 """
