@@ -33,7 +33,6 @@ from concurrent.futures import Future
 
 from ...errors import (
     DeviceError,
-    ExecutorTimeoutError,
     ParallelExecutionError,
     PayloadPicklingError,
     RankFailure,
@@ -440,8 +439,7 @@ class RayPool:
         call = task.call
         if call.done:
             return
-        call.results[task.key] = value
-        call.pending -= 1
+        call.add_result(task.key, value)
         if call.pending == 0:
             self._finish(call)
 
@@ -449,11 +447,7 @@ class RayPool:
         call = task.call
         if call.done:
             return
-        call.failures.append(record)
-        if exc is not None:
-            call.exceptions[record.rank] = exc
-        call.died = call.died or died
-        call.pending -= 1
+        call.add_failure(record, exc, died)
         if call.broadcast and died and call.pending:
             # As the local pool: fail now, not when the others finish, and stop their share of the call
             # (restarted), so that nothing of a failed call keeps running unseen.
@@ -491,16 +485,12 @@ class RayPool:
             self._queue.remove(task)
         if call.future.done():
             return
+        if not call.future.running():
+            call.future.set_running_or_notify_cancel()
         if call.failures:
-            cls = ExecutorTimeoutError if call.timed_out else WorkerDiedError if call.died else ParallelExecutionError
-            if not call.future.running():
-                call.future.set_running_or_notify_cancel()
-            call.future.set_exception(cls.create(call.failures, call.exceptions, function=call.name))
+            call.future.set_exception(call.error())
         else:
-            if not call.future.running():
-                call.future.set_running_or_notify_cancel()
-            call.future.set_result([call.results[i] for i in range(len(self._slots))] if call.broadcast
-                                   else call.results[0])
+            call.future.set_result(call.value(len(self._slots)))
 
     # ----------------------------------------------------------------- timeouts
     def _watch_deadlines(self) -> None:

@@ -86,6 +86,27 @@ class _Call:
         self.exceptions: dict = {}
         self.died = self.timed_out = self.started = self.done = False
 
+    # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
+    def add_result(self, key: int, value) -> None:
+        self.results[key] = value
+        self.pending -= 1
+
+    def add_failure(self, record: RankFailure, exc: BaseException | None = None, died: bool = False) -> None:
+        self.failures.append(record)
+        if exc is not None:
+            self.exceptions[record.rank] = exc
+        self.died = self.died or died
+        self.pending -= 1
+
+    def error(self) -> ParallelExecutionError:
+        """The exception for a call with failures: a timeout, a death, or the function's own error."""
+        cls = ExecutorTimeoutError if self.timed_out else WorkerDiedError if self.died else ParallelExecutionError
+        return cls.create(self.failures, self.exceptions, function=self.name)
+
+    def value(self, workers: int):
+        """A broadcast's results in worker order, or the single task's result."""
+        return [self.results[i] for i in range(workers)] if self.broadcast else self.results[0]
+
 
 @dataclass
 class _Task:
@@ -461,8 +482,7 @@ class Scheduler:
         call = task.call
         if call.done:
             return
-        call.results[task.key] = value
-        call.pending -= 1
+        call.add_result(task.key, value)
         if call.pending == 0:
             self._finish(call)
 
@@ -471,11 +491,7 @@ class Scheduler:
         call = task.call
         if call.done:
             return
-        call.failures.append(record)
-        if exc is not None:
-            call.exceptions[record.rank] = exc
-        call.died = call.died or died
-        call.pending -= 1
+        call.add_failure(record, exc, died)
         if call.broadcast and (died or call.fail_fast) and call.pending:
             # Fail now, not when the others finish; and stop their share of
             # this call, so that nothing of a failed call keeps running unseen.
@@ -493,13 +509,10 @@ class Scheduler:
         call.done = True
         _transport.remove_files(call.files)
         if error is None and call.failures:
-            cls = ExecutorTimeoutError if call.timed_out else WorkerDiedError if call.died else ParallelExecutionError
-            error = cls.create(call.failures, call.exceptions, function=call.name)
+            error = call.error()
         if call.future.done():
             return
         if error is not None:
             call.future.set_exception(error)
-        elif call.broadcast:
-            call.future.set_result([call.results[i] for i in range(len(self._slots))])
         else:
-            call.future.set_result(call.results[0])
+            call.future.set_result(call.value(len(self._slots)))
