@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from nn_handler import ParallelExecutor, ParallelExecutionError
+from nn_handler import ParallelExecutor, ParallelExecutionError, worker_state
 
 try:
     import loky
@@ -39,7 +39,6 @@ except ImportError:  # optional peer
     loky = None
 
 RESULT_BYTES = 64 << 20
-_cache: dict = {}
 
 
 def noop(x=0):
@@ -57,10 +56,15 @@ def small_sum(t, device=None):
 def big_result(device=None):
     # A fresh tensor per call, as a real result is (a cached one would let
     # torch's fd-passing reducers send a handle to memory already shared).
-    # The baseline "single-process clone" pays the same clone.
-    if "big" not in _cache:
-        _cache["big"] = torch.ones(RESULT_BYTES // 4)
-    return _cache["big"].clone()
+    # The baseline "single-process clone" pays the same clone. The source is
+    # kept in worker_state(), a dict that lives as long as the worker process
+    # in every pool: a global of this script would not do, since nn_handler
+    # sends a script's functions by value, with a fresh copy of their globals
+    # per call, and each call would build the source again.
+    state = worker_state()
+    if "big" not in state:
+        state["big"] = torch.ones(RESULT_BYTES // 4)
+    return state["big"].clone()
 
 
 def pid(device=None):
