@@ -96,3 +96,23 @@ def test_worker_memory_limit_does_not_count_a_result_already_sent():
 def test_bad_recycling_settings(kwargs, text):
     with pytest.raises(ConfigurationError, match=text):
         ParallelExecutor(device_ids=["cpu"], **kwargs)
+
+
+def _filled(value, device=None):
+    import torch
+
+    return torch.full((1 << 20,), float(value))  # 4 MiB: through a file in shared memory
+
+
+@pytest.mark.parametrize("recycling", [{"max_tasks_per_worker": 1}, {"worker_memory_limit": 1}],
+                         ids=["max_tasks_per_worker", "worker_memory_limit"])
+def test_a_large_result_survives_its_worker_being_replaced_right_after(recycling):
+    # The worker is replaced as soon as its reply is read, before the result is
+    # loaded: its files must stay until then (they were removed, and the caller
+    # read zeros from an empty file of the same name).
+    with ParallelExecutor(device_ids=["cpu", "cpu"], **recycling) as ex:
+        for call in range(1, 4):
+            out = ex.run(_filled, call)
+            assert [float(t.min()) for t in out] == [call, call]
+            assert [float(t.max()) for t in out] == [call, call]
+        assert [float(t[0]) for t in ex.map(_filled, range(10, 16))] == list(range(10, 16))

@@ -223,3 +223,58 @@ def test_map_keeps_a_few_chunks_per_worker_in_shared_memory_whatever_the_input_s
     # two workers, each with at most its own chunk, its next one and one being written: 6 chunks of 8 MiB
     assert peak_count <= 6 and peak_bytes <= 6 * item.nbytes, (peak_count, peak_bytes)
     assert _files(caller) == []
+
+
+# ----------------------------------------------------------------------------- results' files are lent, then reused
+def _filled(value, device=None):
+    return torch.full((1 << 20,), float(value))  # 4 MiB: through a file
+
+
+def _open_result_files(device=None) -> int:
+    """How many files of the transport this process holds open (they have no name: lent files)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sum("/nnh-" in link for link in links)
+
+
+def test_the_file_of_a_dropped_result_is_written_again_and_no_name_stays():
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        for call in range(8):
+            out = ex.run(_filled, call)
+            assert [(float(t.min()), float(t.max())) for t in out] == [(call, call)] * 2
+            assert _files(os.getpid()) == []  # mapped: the name went at once
+            del out
+        # Each worker wrote every result into the same file: one open there, one here
+        # (a worker that made a new file per result would hold eight).
+        assert ex.run(_open_result_files) == [1, 1]
+        assert _open_result_files() == 2
+    assert _open_result_files() == 0  # closed with the pool
+
+
+def test_a_result_still_in_use_is_never_written_over():
+    with ParallelExecutor(device_ids=CPU2) as ex:
+        kept = ex.run(_filled, 1)
+        view = ex.run(_filled, 2)[1][-10:]  # only a view of the result is left
+        for call in range(3, 9):  # dropped at once: their files are the ones written again
+            assert [float(t[0]) for t in ex.run(_filled, call)] == [call, call]
+        mapped = list(ex.map(_filled, range(20, 26)))
+        assert [float(t.max()) for t in kept] == [1.0, 1.0] and [float(t.min()) for t in kept] == [1.0, 1.0]
+        assert torch.equal(view, torch.full((10,), 2.0))
+        assert [float(t.min()) for t in mapped] == list(range(20, 26))
+    assert [float(t[0]) for t in kept] == [1.0, 1.0]  # valid after the pool is gone
+
+
+def test_a_file_removed_before_it_is_read_is_an_error_not_zeros():
+    from nn_handler.utils._workers import transport
+
+    for kind in ({"to_cpu": True, "lend": True}, {}):  # a worker's result; a map item
+        encoder = transport.Encoder(transport.shm_prefix(f"{os.getpid()}-gone"), **kind)
+        data, _ = encoder.dumps(torch.ones(1 << 20))
+        transport.remove_prefixed(encoder.prefix)
+        with pytest.raises(FileNotFoundError):
+            transport.loads(data)  # from_file() would have created an empty file and read zeros
+    assert _files(os.getpid()) == []

@@ -48,7 +48,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
     WorkerDiedError,
     describe_exit,
 )
-from . import pipes
+from . import lending, pipes
 from . import transport as _transport
 from .scheduler import _STOP_GRACE, Scheduler, _Slot, _Task
 from .worker import guard_against_bootstrap, main_module_hidden, worker_main
@@ -111,6 +111,7 @@ class WorkerPool(Scheduler):
         self._wake_r = self._wake_w = None
         self._wake_lock = threading.Lock()
         self._replies: list = []  # the engine's: results read, to unpickle once the lock is let go
+        self._unloaded_of_killed: dict[str, int] = {}  # a killed worker's file prefix -> its replies still to load
         self._generation = 0  # bumped whenever a worker starts or ends: the engine's cue to re-read the slots
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
@@ -175,7 +176,7 @@ class WorkerPool(Scheduler):
                 mp.process._children.discard(process)
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
-            slot.process, slot.conn = process, parent_conn
+            slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
             self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
             slot.functions = _transport.FunctionCache()  # a new process holds no function yet
@@ -289,6 +290,9 @@ class WorkerPool(Scheduler):
                     self._kill(slot)
                 self._cancel_queued()
                 _transport.remove_prefixed(_transport.shm_prefix(self._token))
+                for files in self._unloaded_of_killed:
+                    lending.forget(files)
+                self._unloaded_of_killed.clear()
                 self._wake()
                 if self._engine is None or not self._engine.is_alive():
                     self._close_wake_pipe()
@@ -299,7 +303,7 @@ class WorkerPool(Scheduler):
         for slot in self._slots:
             if slot.alive and slot.task is None:
                 try:
-                    slot.conn.send_bytes(pickle.dumps((0, "stop", None, None)))
+                    slot.conn.send_bytes(pickle.dumps((0, "stop", None, None, ((), ()))))
                 except OSError:
                     pass
         deadline = time.monotonic() + _STOP_GRACE
@@ -347,7 +351,26 @@ class WorkerPool(Scheduler):
             slot.process = slot.conn = None
             slot.has_fn_for, slot.probing = None, False
             self._generation += 1
-        _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
+        if slot.unloaded:  # replies of it not loaded yet: its files go once they are
+            self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
+        else:
+            self._drop_files(slot.files)
+
+    def _loaded(self, slot: _Slot, incarnation: int, files: str) -> None:
+        """A reply of ``slot`` (then at ``incarnation``, with ``files``) was loaded (the lock is held)."""
+        if slot.incarnation == incarnation and slot.alive:
+            slot.unloaded -= 1
+        elif files in self._unloaded_of_killed:
+            self._unloaded_of_killed[files] -= 1
+            if not self._unloaded_of_killed[files]:
+                del self._unloaded_of_killed[files]
+                self._drop_files(files)
+
+    @staticmethod
+    def _drop_files(prefix: str) -> None:
+        """Remove what is left of a worker's files, named or open (results mapped from them stay valid)."""
+        _transport.remove_prefixed(prefix)
+        lending.forget(prefix)
 
     def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
         slot.process.join(1.0)
@@ -371,7 +394,7 @@ class WorkerPool(Scheduler):
 
     def _drop_reply_files(self, slot: _Slot) -> None:
         """Remove the result files of a reply that will not be loaded (the worker is idle: nothing else is in flight)."""
-        _transport.remove_prefixed(_transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}"))
+        _transport.remove_prefixed(slot.files)
 
     @staticmethod
     def _receive(slot: _Slot, deadline: float | None = None):

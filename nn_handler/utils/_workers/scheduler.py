@@ -29,7 +29,7 @@ from ...errors import (
     RankFailure,
     WorkerDiedError,
 )
-from . import pipes
+from . import lending, pipes
 from . import transport as _transport
 from .worker import describe
 
@@ -51,6 +51,8 @@ class _Slot:
     process: mp.process.BaseProcess | None = None
     conn: object = None
     incarnation: int = 0
+    files: str = ""  # the prefix of its result files (see lending)
+    unloaded: int = 0  # its replies read and not yet loaded: their files must stay until they are
     has_fn_for: int | None = None  # function id this worker already holds
     # The twin of the worker's cache of function bodies: what need not be sent again.
     functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
@@ -362,11 +364,13 @@ class Scheduler:
         slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
         fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
         slot.has_fn_for = call.fn_id
-        message = pickle.dumps((call.fn_id, call.kind, fn_part, payload))
+        # What it may write again, once every reply it sent has been loaded (see lending.settle).
+        files = lending.settle(slot.files) if not slot.unloaded else ((), ())
+        message = pickle.dumps((call.fn_id, call.kind, fn_part, payload, files))
         slot.unread = pipes.send(slot.conn, slot.process, message, slot.deadline)
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
-            pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None)), slot.deadline)
+            pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
 
     def _handle(self, ready: set, watched: dict) -> None:
         for fd in ready:
@@ -417,7 +421,8 @@ class Scheduler:
         if status == "ok":
             # Unpickled by the engine after it has given the worker its next
             # task, and without the lock: callers queue work meanwhile.
-            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid))
+            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))
+            slot.unloaded += 1
         else:
             record, blob = body
             exc = None
@@ -436,7 +441,7 @@ class Scheduler:
     def _load_replies(self, replies: list) -> None:
         """Unpickle results (outside the lock), then hand them to their futures."""
         outcomes = []
-        for task, body, slot, incarnation, pid in replies:
+        for task, body, slot, incarnation, pid, _ in replies:
             try:
                 outcomes.append((task, _transport.loads(body), None))
             except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
@@ -444,6 +449,8 @@ class Scheduler:
                                      message=f"the result could not be unpickled in the caller: {describe(exc)}")
                 outcomes.append((task, None, (record, slot, incarnation)))
         with self._lock:
+            for *_, slot, incarnation, _, files in replies:
+                self._loaded(slot, incarnation, files)
             for task, value, failure in outcomes:
                 if failure is None:
                     self._task_done(task, value)

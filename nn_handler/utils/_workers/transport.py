@@ -19,6 +19,11 @@ directory. A tensor that does not fit there (Docker gives containers 64 MiB of
 process. Files are named ``nnh-<pid of the caller>-<tag>-<n>`` in either
 directory: whoever cleans up a sender, a call or a dead caller globs that name.
 
+A worker's result files are lent rather than given: both sides keep them
+open (with no name), and once the caller has dropped a result the worker
+writes a later one of the same size into the same file, whose memory exists
+already (:mod:`.lending`).
+
 Why not torch.multiprocessing's shared-memory reducers: they hand over file
 descriptors that the *sending* process must stay alive to serve, so a worker
 that exits right after sending loses its results (the ``EOFError`` trap). A
@@ -47,6 +52,8 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
+from . import lending
+
 SHM_DIR_ENV = "NN_HANDLER_SHM_DIR"
 _shm_dir: list = []  # [the directory or None], filled at first use
 _seen_dirs: set[str] = set()  # every directory this process named files in (a dead caller's files are there)
@@ -59,12 +66,36 @@ _create_lock = threading.Lock()
 SHM_THRESHOLD = 1 << 20
 
 
+def _map(fd: int, path: str, nbytes: int, shared: bool) -> torch.UntypedStorage:
+    # Through the descriptor: from_file() given a name that is gone would
+    # create an empty file and read zeros instead of failing.
+    return torch.UntypedStorage.from_file(lending.fd_path(fd) if lending.available() else path, shared=shared,
+                                          nbytes=nbytes)
+
+
 def _rebuild_shared(path: str, nbytes: int, dtype: torch.dtype, shape, requires_grad: bool, private: bool):
     # private=True maps copy-on-write: an argument shared by every worker must
     # not see one worker's in-place writes.
-    storage = torch.UntypedStorage.from_file(path, shared=not private, nbytes=nbytes)
+    fd = os.open(path, os.O_RDONLY if private else os.O_RDWR)  # FileNotFoundError: removed before it was read
+    try:
+        storage = _map(fd, path, nbytes, shared=not private)
+    finally:
+        os.close(fd)
     if not private:
-        os.unlink(path)  # results are read by one process only: drop the name now
+        os.unlink(path)  # read by one process only: drop the name now
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _rebuild_lent(owner: str, key: str, nbytes: int, dtype: torch.dtype, shape, requires_grad: bool):
+    # A worker's result: the file stays open here, to go back to the worker once this tensor is gone.
+    fd = lending.open_result(owner, key)
+    try:
+        storage = _map(fd, key, nbytes, shared=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    lending.track(owner, key, fd, nbytes, storage)
     tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
@@ -95,8 +126,9 @@ def _reduce_small(t: torch.Tensor):
 
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool, spill: bool = False,
-                 probe: bool = False):
+                 probe: bool = False, lent: lending.WorkerFiles | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._lent = lent
         self._prefix = prefix
         self._counter = counter
         self._to_cpu = to_cpu
@@ -104,6 +136,7 @@ class _Pickler(cloudpickle.Pickler):
         self._spill = spill
         self._probe = probe
         self.created: list[str] = []
+        self.written: list[tuple[str, int, int]] = []  # (name, fd, bytes) of each file written, lent ones open
         self.needs_files = False
 
     def reducer_override(self, obj):
@@ -134,12 +167,20 @@ class _Pickler(cloudpickle.Pickler):
         if self._probe:
             self.needs_files = True
             return int, ()  # a stand-in: probing checks that the rest pickles, and copies nothing
-        return _rebuild_shared, (self._write(t), t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
+        path = self._write(t)
+        if self._lent is not None:
+            return _rebuild_lent, (self._prefix, path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad)
+        return _rebuild_shared, (path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
 
     def _write(self, t: torch.Tensor) -> str:
-        """Copy ``t`` into a new file; its path."""
-        path, fd = _create(self._prefix, next(self._counter), t.nbytes, spill=self._spill)
-        self.created.append(path)
+        """Copy ``t`` into a spare file of its size (a lending sender), else into a new file; its name."""
+        taken = self._lent.take(t.nbytes) if self._lent is not None and not self._spill else None
+        if taken is not None:
+            path, fd = taken
+        else:
+            path, fd = _create(self._prefix, next(self._counter), t.nbytes, spill=self._spill)
+            self.created.append(path)
+        self.written.append((path, fd, t.nbytes))
         try:
             # write() fills tmpfs at memcpy speed; copying through a fresh
             # mapping page-faults every 4 KiB and runs at about half of it.
@@ -147,9 +188,10 @@ class _Pickler(cloudpickle.Pickler):
             view = _memory_view(flat.data_ptr(), flat.nbytes, _PyBUF_READ)  # valid while `flat` lives
             written = 0
             while written < len(view):
-                written += os.write(fd, view[written:])
+                written += os.pwrite(fd, view[written:], written)
         finally:
-            os.close(fd)
+            if self._lent is None:
+                os.close(fd)
         return path
 
 
@@ -214,12 +256,16 @@ class Encoder:
         to_cpu: Detach tensors and move them to CPU (results do this).
         private: Receivers map copy-on-write and leave the file for the sender
             to remove (arguments shared by several workers do this).
+        lend: The receiver keeps the file's name and gives it back once it
+            drops the tensor; this sender writes a later tensor of the same
+            size into it (a worker's results do this; see :mod:`.lending`).
     """
 
-    def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False):
+    def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False, lend: bool = False):
         self.prefix = prefix
         self.to_cpu = to_cpu
         self.private = private
+        self.lent = lending.WorkerFiles() if lend and prefix and lending.available() else None
         self._counter = itertools.count()
         if prefix:
             _seen_dirs.add(os.path.dirname(prefix))
@@ -227,6 +273,9 @@ class Encoder:
     def dumps(self, obj) -> tuple[bytes, list[str]]:
         """Return the bytes and the shared-memory files created for them."""
         data, pickler = self._with_room(lambda spill: self._dump(obj, spill))
+        if self.lent is not None:
+            for path, fd, nbytes in pickler.written:
+                self.lent.lent(path, fd, nbytes)
         return data, pickler.created
 
     def pack_function(self, fn) -> "PackedFunction":
@@ -272,11 +321,15 @@ class Encoder:
         if function:
             pickler = _FunctionPickler(buf, self.prefix, self._counter, spill=spill)
         else:
-            pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill)
+            pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill,
+                               lent=self.lent)
         try:
             pickler.dump(obj)
         except BaseException:
             remove_files(pickler.created)
+            if self.lent is not None:
+                for _, fd, _ in pickler.written:
+                    os.close(fd)
             raise
         return buf.getvalue(), pickler
 

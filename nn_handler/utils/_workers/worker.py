@@ -1,12 +1,14 @@
 """The child's loop: pin the device, split the cores, run calls, send results or the remote traceback.
 
-Messages from the pool are ``(call_id, kind, fn_blob, payload_blob)``:
+Messages from the pool are ``(call_id, kind, fn_blob, payload_blob, files)``:
 ``kind`` is ``"run"`` (payload ``(args, kwargs)``) or ``"map"`` (payload: a
 chunk of items); ``fn_blob`` is ``None`` when the function is the one already
 loaded for this ``call_id`` (a ``map`` sends it once per worker), else a
 :meth:`~.transport.PackedFunction.message`: its digest, its body unless this
 worker holds it from an earlier call, and this call's files for its large
-tensors (see :class:`~.transport.FunctionCache`). Replies are
+tensors (see :class:`~.transport.FunctionCache`); ``files`` is
+``(given_back, dropped)``, what the caller says of earlier results' files
+(see :mod:`.lending`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``got`` (the task arrived,
 sent before any of it runs), ``ok``, ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``) or ``ready``; a ``"memory"``
@@ -159,7 +161,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
 
     torch.set_num_threads(threads)
     device = torch.device(device_str)
-    encoder = _transport.Encoder(shm_prefix, to_cpu=True)
+    encoder = _transport.Encoder(shm_prefix, to_cpu=True, lend=True)
 
     def call(fn_and_position, args, kwargs):
         return call_with_device(fn_and_position, args, kwargs, device, pass_device)
@@ -189,7 +191,9 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
             message = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the pool closed our pipe: shut down
-        call_id, kind, fn_blob, payload_blob = pickle.loads(message)
+        call_id, kind, fn_blob, payload_blob, (given_back, dropped) = pickle.loads(message)
+        if (given_back or dropped) and encoder.lent is not None:
+            encoder.lent.update(given_back, dropped)
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done

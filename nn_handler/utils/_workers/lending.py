@@ -1,0 +1,166 @@
+"""Large results' files, lent by a worker to its caller and given back to be written again.
+
+A worker sends a large result tensor as a file in shared memory that the
+caller maps (see :mod:`.transport`). Writing into a new file costs twice as
+much as writing into one whose memory exists already (and on a virtual
+machine whose memory the host has not backed yet, up to ten times as much),
+so a worker writes the next result of the same size into the file of a
+result the caller has dropped.
+
+No name is kept for this: the caller unlinks a result's file as soon as it
+maps it, as for any file, and both sides hold an open descriptor of it
+instead. So the files go with the processes, however they end. The caller
+decides (:func:`settle`, when it sends the worker its next task) which files
+come back, once torch has freed every tensor mapped from them, and which
+are dropped for good; the worker (:class:`WorkerFiles`) only does as told.
+
+Example (a worker's side):
+    >>> import tempfile
+    >>> files = WorkerFiles()
+    >>> fd, path = tempfile.mkstemp()
+    >>> files.lent(path, fd, 1024)
+    >>> files.update(given_back=[path], dropped=[])   # the caller dropped that result
+    >>> files.take(1024) == (path, fd)
+    True
+    >>> files.update(given_back=[], dropped=[path]); os.unlink(path)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# The caller keeps at most this many bytes of files given back per worker:
+# memory the pool holds while idle, as a caching allocator does.
+SPARE_BYTES = 512 << 20
+SPARE_FILES = 4
+# Results still in use whose files may come back, per worker; older ones are
+# let go (the tensors stay valid; their files are simply not reused).
+TRACKED_RESULTS = 16
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens what ``fd`` is open on, even with no name left."""
+    return f"/proc/self/fd/{fd}"
+
+
+def available() -> bool:
+    """Whether files can be lent here: both sides need :func:`fd_path`."""
+    return os.path.isdir("/proc/self/fd")
+
+
+# ----------------------------------------------------------------------------- the caller's side
+class _Files:
+    """The caller's record of one worker's files: results in use, and spares the worker may write."""
+
+    def __init__(self):
+        self.lent: dict[str, tuple[int, int, StorageWeakRef]] = {}  # key -> (fd, bytes, its storage)
+        self.spare: dict[str, tuple[int, int]] = {}  # key -> (fd, bytes), oldest first
+
+
+_lock = threading.Lock()  # results are loaded by the engine thread, tasks sent from any caller's thread
+_owners: dict[str, _Files] = {}  # a worker's file prefix -> its files
+
+
+def open_result(owner: str, key: str) -> int:
+    """A descriptor of the file of a result from ``owner``; the caller keeps it while the file is tracked.
+
+    A spare the worker wrote again is open already; a new file is opened by
+    its name, which goes at once. Raises ``FileNotFoundError`` if the file
+    was removed before it could be read, rather than reading zeros.
+    """
+    with _lock:
+        files = _owners.get(owner)
+        spare = files.spare.pop(key, None) if files is not None else None
+    if spare is not None:
+        return spare[0]
+    fd = os.open(key, os.O_RDWR)
+    os.unlink(key)
+    return fd
+
+
+def track(owner: str, key: str, fd: int, nbytes: int, storage) -> None:
+    """Remember that ``storage`` maps the file ``key`` of ``owner`` (open on ``fd``)."""
+    with _lock:
+        _owners.setdefault(owner, _Files()).lent[key] = (fd, nbytes, StorageWeakRef(storage))
+
+
+def settle(owner: str) -> tuple[list[str], list[str]]:
+    """``(given_back, dropped)`` to tell ``owner`` with its next task.
+
+    ``given_back``: files whose results torch has freed here, which the
+    worker may write again; ``dropped``: files it should close. Call it only
+    when every reply of ``owner`` has been loaded, so that each file it took
+    back since is known.
+    """
+    files = _owners.get(owner)
+    if files is None or not (files.lent or files.spare):  # the common case, without the lock
+        return [], []
+    with _lock:
+        given = [key for key, (_, _, ref) in files.lent.items() if ref.expired()]
+        for key in given:
+            fd, nbytes, _ = files.lent.pop(key)
+            files.spare[key] = (fd, nbytes)
+        dropped = []
+        while len(files.lent) > TRACKED_RESULTS:
+            dropped.append(_close(files.lent, next(iter(files.lent))))
+        while files.spare and (len(files.spare) > SPARE_FILES
+                               or sum(n for _, n in files.spare.values()) > SPARE_BYTES):
+            dropped.append(_close(files.spare, next(iter(files.spare))))
+        return [key for key in given if key in files.spare], dropped
+
+
+def forget(owner: str) -> None:
+    """``owner`` is gone: close its files here (results mapped from them stay valid)."""
+    with _lock:
+        files = _owners.pop(owner, None)
+        for table in (files.lent, files.spare) if files is not None else ():
+            for key in list(table):
+                _close(table, key)
+
+
+def _close(table: dict, key: str) -> str:
+    os.close(table.pop(key)[0])
+    return key
+
+
+# ----------------------------------------------------------------------------- the worker's side
+class WorkerFiles:
+    """A worker's result files: each open, lent to the caller or given back as a spare."""
+
+    # More than the caller tracks: a file it never heard of (a reply it did not load) is closed in time.
+    MAX_FILES = TRACKED_RESULTS + SPARE_FILES + 16
+
+    def __init__(self):
+        self._files: dict[str, tuple[int, int]] = {}  # key -> (fd, bytes), oldest first
+        self._spare: set[str] = set()
+
+    def lent(self, key: str, fd: int, nbytes: int) -> None:
+        """A result was written to ``key`` (open on ``fd``) and sent."""
+        self._files[key] = (fd, nbytes)
+        while len(self._files) > self.MAX_FILES:
+            self._drop(next(iter(self._files)))
+
+    def update(self, given_back, dropped) -> None:
+        """Apply what the caller said with a task (see :func:`settle`)."""
+        for key in dropped:
+            self._drop(key)
+        self._spare.update(key for key in given_back if key in self._files)
+
+    def take(self, nbytes: int) -> tuple[str, int] | None:
+        """A spare of exactly ``nbytes`` to write a result into, ``(key, fd)``; ``None`` if there is none."""
+        for key in self._spare:
+            fd, size = self._files[key]
+            if size == nbytes:
+                self._spare.discard(key)
+                del self._files[key]  # lent again once written (lent() puts it back, newest)
+                return key, fd
+        return None
+
+    def _drop(self, key: str) -> None:
+        entry = self._files.pop(key, None)
+        self._spare.discard(key)
+        if entry is not None:
+            os.close(entry[0])
