@@ -159,6 +159,21 @@ def test_worker_killed_gives_worker_died_and_next_call_runs_the_initializer_agai
     assert all(pid not in before and pid == init_pid for pid, init_pid in after)
 
 
+def _end_process(device):
+    os._exit(3)
+
+
+@pytest.mark.timeout(90)
+def test_an_initializer_that_ends_its_process_fails_the_start(fresh):
+    # On Ray the actor ran its initializer as it was built: each restart ran it
+    # again and died again, and start() waited for ever.
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="start-up") as info:
+        make(fresh.backend, initializer=_end_process).start()
+    assert "initializer" in str(info.value)
+    assert time.monotonic() - started < 60
+
+
 def test_context_manager_shuts_down(fresh):
     with fresh as ex:
         assert ex.submit(lambda device: 3).result() == 3

@@ -114,7 +114,14 @@ class DeviceActor:
             torch.cuda.set_device(self.device)
         self.where = (os.getpid(), ray.get_runtime_context().get_node_id(), socket.gethostname())
         self.functions = _transport.FunctionCache()
-        self.init_failure = None
+        # The initializer runs in the first task (ready), not here: an actor
+        # that dies while it is built is rebuilt by Ray, again and again if
+        # the initializer is what kills it, while a task that dies fails.
+        self.init_blob, self.init_failure = init_blob, None
+
+    def _initialize(self) -> None:
+        """Run the initializer, once per process."""
+        init_blob, self.init_blob = self.init_blob, None
         if init_blob is not None:
             try:
                 initializer, initargs = _transport.loads(init_blob)
@@ -130,7 +137,8 @@ class DeviceActor:
         return with_place(record, self.where), blob
 
     def ready(self):
-        """``(failure or None, where)`` once the initializer has run."""
+        """``(failure or None, where)`` once the initializer has run (it runs now if it has not)."""
+        self._initialize()
         return self.init_failure, self.where
 
     def call(self, fn_message: tuple, kind: str, payload: bytes):
@@ -138,6 +146,7 @@ class DeviceActor:
 
         ``payload`` is the pickled ``(args, kwargs)`` of a ``run``, or a chunk of items of a ``map``.
         """
+        self._initialize()  # a restarted actor that got a task before its ready
         if self.init_failure is not None:
             return "err", self.init_failure, self.where
         try:

@@ -10,8 +10,9 @@ Data flow::
                                      ──> actor.call.remote(fn, kind, payload) ──> fn(..., device=dev_i)
     Future.result() <── settle <────── ObjectRef.future() is done <───────────── ("ok"|"err", body, where)
                                        ├─ RayActorError: WorkerDiedError naming the node and host; Ray
-                                       │   restarts the actor (max_restarts), which runs the initializer
-                                       │   again; the call is never re-run (max_task_retries=0)
+                                       │   restarts the actor (max_restarts), whose first task (ready)
+                                       │   runs the initializer again; the call is never re-run
+                                       │   (max_task_retries=0)
                                        └─ a task's deadline: ray.kill(actor) (restarted) ──> TimeoutError
 
 One task in flight per actor: a task's ``timeout`` counts from when an actor
@@ -80,7 +81,8 @@ class RayPool:
     Args:
         devices: Device kinds, one actor each (``"cuda"``: ``num_gpus=1``, ``"cpu"``: ``num_cpus=1``).
         pass_device: Call functions with ``device=torch.device(...)``.
-        init_blob: Pickled ``(initializer, initargs)``, run in each actor at every (re)start.
+        init_blob: Pickled ``(initializer, initargs)``, run in each actor at every (re)start, by its
+            first task: an initializer that ends its process fails that task (no endless restarts).
         address: As ``ray.init`` takes it; used only when this process has no Ray yet.
         start_timeout: Seconds the actors may take to start (initializer included).
     """
