@@ -53,7 +53,8 @@ WORKERS = "nn_handler.utils._workers"
 NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.callbacks", "nn_handler.utils._models")
 # All of ours that a worker child may load: the worker loop, its transport, the errors, and the packages above.
 WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "nn_handler.errors",
-                "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport"}
+                "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport",
+                "nn_handler.utils._workers.lending"}  # the transport's result files
 
 
 def _within(module: str, prefixes) -> bool:
