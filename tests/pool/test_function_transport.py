@@ -173,6 +173,21 @@ def test_a_different_function_or_a_changed_closure_is_sent_again(ex, sent):
     assert max(_sizes(sent)) < SMALL_MESSAGE
 
 
+def test_a_script_function_kept_pickled_still_sees_each_global_as_it_is_now(ex, sent):
+    # Sent by value, as a function of a script is; its pickle is kept while its globals are the same objects.
+    namespace = {"__name__": "a_script_nobody_can_import", "SCALE": 2, "LOG": []}
+    exec("def f(x, device):\n    return x * SCALE\ndef g(device):\n    return len(LOG)", namespace)
+    f, g = namespace["f"], namespace["g"]
+    assert ex.run(f, 1) == [2, 2]
+    assert ex.run(f, 1) == [2, 2]
+    namespace["SCALE"] = 5  # rebound between calls
+    assert ex.run(f, 1) == [5, 5]
+    assert ex.run(g) == [0, 0]
+    namespace["LOG"].append("x")  # changed in place
+    assert ex.run(g) == [1, 1]
+    assert max(_sizes(sent)) < SMALL_MESSAGE
+
+
 def test_many_functions_are_kept_up_to_the_bound_oldest_out_first(ex, sent):
     def make(i):
         state = bytes([i % 256]) * STATE

@@ -19,6 +19,7 @@ import cloudpickle
 from ..._checks import check_choice, check_int, check_number, invalid
 from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
+from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
@@ -67,6 +68,7 @@ def _check_timeout(timeout: float | None) -> float | None:
 
 
 _positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code object -> device position
+_packed = FunctionMemo()  # functions whose pickle cannot have changed since they were last sent
 
 
 def _device_position(func, pass_device: bool) -> int | None:
@@ -120,7 +122,15 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
-    return _pack(func, _device_position(func, pass_device), _name(func), encoder)
+    position = _device_position(func, pass_device)
+    if encoder is None:
+        return _pack(func, position, _name(func), None)
+    packed = _packed.get(func, position)
+    if packed is None:
+        packed = _pack(func, position, _name(func), encoder)
+        if not packed.files:  # a function holding a large tensor is never kept (it cannot be unchanging anyway)
+            _packed.put(func, position, packed)
+    return packed
 
 
 def _pack(func, position: int | None, name: str, encoder: Encoder | None) -> PackedFunction:
