@@ -22,6 +22,7 @@ from helpers import kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
 from nn_handler.errors import ConfigurationError, DeviceError
 from nn_handler.utils._workers import executor as _executor
+from nn_handler.utils._workers import pipes
 from nn_handler.utils._workers import reusable as _reusable
 
 CPU2 = ["cpu", "cpu"]
@@ -432,17 +433,20 @@ def test_worker_that_ends_after_replying_is_replaced_before_the_next_call(how):
     assert _shm_files() == []
 
 
-def _patch_start(ex, after):
-    """Run ``after(pids)`` once, right after the call's liveness check in start()."""
-    pool, original, done = ex._pool, ex._pool.start, []
+def _before_the_first_write(ex, after):
+    """Run ``after(pids)`` once, right before the next call's first task message is written (after every
+    liveness check the call makes)."""
+    pool, done = ex._pool, []
+    real = pipes.send
 
-    def start(*a, **kw):
-        original(*a, **kw)
+    def send(conn, process, data, deadline):
         if not done:
             done.append(True)
             after([s.process.pid for s in pool._slots])
+        return real(conn, process, data, deadline)
 
-    pool.start = start
+    pipes.send = send
+    return lambda: setattr(pipes, "send", real)
 
 
 @pytest.mark.timeout(90)
@@ -461,13 +465,19 @@ def test_worker_that_dies_after_the_liveness_check_gets_a_replacement(how):
                 os.kill(pids[0], signal.SIGSTOP)
                 threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL)).start()
 
-        _patch_start(ex, kill_first)
-        runs = ex.run(lambda device: os.getpid())  # each worker ran it once, the dead one's share on its replacement
+        restore = _before_the_first_write(ex, kill_first)
+        try:
+            runs = ex.run(lambda device: os.getpid())  # each worker ran it once, the dead one's share on its replacement
+        finally:
+            restore()
         assert runs[0] not in pids and runs[1] == pids[1]
         _wait_dead(pids[0])
         assert ex.run(lambda device: os.getpid()) == runs
-        _patch_start(ex, lambda pids: os.kill(pids[1], signal.SIGKILL))  # map: every item still comes back once
-        assert list(ex.map(lambda x, device: x * 10, range(6))) == [0, 10, 20, 30, 40, 50]
+        restore = _before_the_first_write(ex, lambda pids: os.kill(pids[1], signal.SIGKILL))
+        try:  # map: every item still comes back once
+            assert list(ex.map(lambda x, device: x * 10, range(6))) == [0, 10, 20, 30, 40, 50]
+        finally:
+            restore()
         _wait_dead(runs[1])
     assert _shm_files() == []
 

@@ -203,7 +203,8 @@ class Scheduler:
 
     def _enqueue(self, calls: list[_Call], tasks: list[_Task]) -> None:
         try:
-            self.start()  # replaces idle workers that died since the last call (errors raise here)
+            if not all(slot.alive for slot in self._slots):
+                self.start()  # starts the workers (errors raise here); one that died since is replaced in _begin
             with self._lock:
                 self._check_open()
                 for task in tasks:
