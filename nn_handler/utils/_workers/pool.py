@@ -7,10 +7,10 @@ Data flow::
     submit/run/map: pickle fn, args
       ──> queue a task, wake the engine ──> a free worker takes the first task
                                             that fits it (run: each worker its own)
-                                          ──> write (fn_id, kind, fn, payload) ──> ack ("got"), fn(..., device=dev_i)
+                                          ──> write (fn_id, kind, fn, payload) ──> count it read, fn(..., device=dev_i)
     Future.result() <── set_result ─────── poll(pipes, sentinels, wake pipe) <──── (ok|err, fn_id, body)
                                             ├─ a reply: resolve the task's future; recycle the worker if asked
-                                            ├─ a sentinel before the ack of a task it never read: requeue it
+                                            ├─ a sentinel, the task unread by its count: requeue it
                                             ├─ a sentinel: that task fails with WorkerDiedError (a run: the
                                             │   call's other workers are stopped too); replaced on next use
                                             └─ a task's deadline: its workers are killed ──> TimeoutError
@@ -147,6 +147,7 @@ class WorkerPool(Scheduler):
     def _start_worker(self, ctx, slot: _Slot) -> None:
         slot.incarnation += 1
         parent_conn, child_conn = ctx.Pipe(duplex=True)
+        reads = ctx.RawValue("Q", 0)  # see _Slot.reads
         prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
         # Not daemonic, so that a function may start its own executor in a
         # worker. What daemon=True gave, the pool does itself: shutdown() and
@@ -155,7 +156,7 @@ class WorkerPool(Scheduler):
         process = ctx.Process(
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                  self._pass_device, prefix, os.getpid()),
+                  self._pass_device, prefix, os.getpid(), reads),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -177,6 +178,7 @@ class WorkerPool(Scheduler):
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
+            slot.reads, slot.sent = reads, 0
             self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
             slot.functions = _transport.FunctionCache()  # a new process holds no function yet

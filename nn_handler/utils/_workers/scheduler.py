@@ -57,8 +57,13 @@ class _Slot:
     # The twin of the worker's cache of function bodies: what need not be sent again.
     functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
     task: "_Task | None" = None  # the task it runs
-    unread: bool = False  # running, but the worker has read none of its message yet
-    acked: bool = False  # running, and the worker has the whole task
+    unread: bool = False  # running, and its message went in one write: the worker may have read none of it
+    # How many messages the worker has read in full: a counter in shared memory
+    # it bumps without a word, so that a task costs no acknowledgement (a
+    # wake-up of the caller) and yet its death tells whether it had the task.
+    reads: object = None
+    sent: int = 0  # messages written to this process
+    task_message: int = 0  # the number of its task's message
     deadline: float | None = None
     served: int = 0  # tasks since it started (max_tasks_per_worker)
     probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
@@ -66,6 +71,11 @@ class _Slot:
     @property
     def alive(self) -> bool:
         return self.process is not None
+
+    @property
+    def acked(self) -> bool:
+        """Running, and the worker has read its task's whole message (so it may have run some of it)."""
+        return self.reads is not None and self.reads.value >= self.task_message
 
     def exited(self) -> bool:
         """Whether its process has ended: its sentinel is readable. (``Process.is_alive()`` asks the same
@@ -361,16 +371,19 @@ class Scheduler:
                 raise
             self._finish(call, exc)
             return
-        slot.task, slot.acked = task, False
+        slot.task = task
         slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
         fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
         slot.has_fn_for = call.fn_id
         # What it may write again, once every reply it sent has been loaded (see lending.settle).
         files = lending.settle(slot.files) if not slot.unloaded else ((), ())
         message = pickle.dumps((call.fn_id, call.kind, fn_part, payload, files))
+        slot.sent += 1
+        slot.task_message = slot.sent
         slot.unread = pipes.send(slot.conn, slot.process, message, slot.deadline)
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
+            slot.sent += 1
             pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
 
     def _handle(self, ready: set, watched: dict) -> None:
@@ -383,7 +396,7 @@ class Scheduler:
                     pass
                 continue
             slot, incarnation = watched[fd]
-            # Several messages may be waiting (the ack and the reply of a short task): read them all now.
+            # Several messages may be waiting (a reply and a memory probe's): read them all now.
             while slot.incarnation == incarnation and slot.alive:  # else: replaced, or seen through its other fd
                 self._handle_slot(slot)
                 if not (slot.alive and _readable(slot.conn.fileno())):
@@ -397,9 +410,9 @@ class Scheduler:
         if reply is None:
             if task is None:
                 self._kill(slot)  # died while idle: the next task gets a fresh one
-            elif slot.unread and not task.resent:
-                # It ended before it read any of the task (it was dying
-                # between calls): nothing of it ran, so a replacement takes it.
+            elif slot.unread and not slot.acked and not task.resent:
+                # It ended before it had the task (it was dying between
+                # calls): nothing of it ran, so a replacement takes it.
                 self._kill(slot)
                 slot.task, task.resent = None, True
                 self._queue.appendleft(task)
@@ -409,9 +422,6 @@ class Scheduler:
                 self._task_failed(task, self._death(slot, during=during), died=True)
             return
         status, _, body = reply
-        if status == "got":  # the worker has the task and starts on it
-            slot.unread, slot.acked = False, True
-            return
         if status == "mem":
             slot.probing = False
             if body > self._memory_limit:

@@ -149,8 +149,11 @@ def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_de
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int) -> None:
-    """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`)."""
+                shm_prefix: str | None, parent_pid: int, reads=None) -> None:
+    """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
+
+    ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
+    """
     global _index
     _index = index
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
@@ -191,6 +194,11 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
             message = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the pool closed our pipe: shut down
+        # Counted before anything of it runs (unpickling may run user code): a
+        # worker that dies with the count short of a task never started it, so
+        # the pool can give it to a replacement without running anything twice.
+        if reads is not None:
+            reads.value += 1
         call_id, kind, fn_blob, payload_blob, (given_back, dropped) = pickle.loads(message)
         if (given_back or dropped) and encoder.lent is not None:
             encoder.lent.update(given_back, dropped)
@@ -199,10 +207,6 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
             conn.send_bytes(pickle.dumps(("mem", call_id, memory_in_use(device))))
             continue
-        # Taken before anything of it runs (unpickling may run user code): a
-        # worker that dies without this ack never started the task, so the
-        # pool can give it to a replacement without running anything twice.
-        conn.send_bytes(pickle.dumps(("got", call_id, None)))
         try:
             if fn_blob is not None:
                 # The previous call's function goes first, and the memory of its files with it.
