@@ -188,6 +188,29 @@ def test_a_script_function_kept_pickled_still_sees_each_global_as_it_is_now(ex, 
     assert max(_sizes(sent)) < SMALL_MESSAGE
 
 
+def test_a_kept_function_starts_each_call_with_its_globals_and_cells_as_the_caller_has_them(ex):
+    # Functions over nothing mutable are loaded once per worker and copied for each call: the copy must be
+    # as fresh as a new load, whatever the previous call rebound.
+    namespace = {"__name__": "a_script_nobody_can_import", "calls": 0}
+    exec("def bump(device):\n    global calls\n    calls += 1\n    return calls", namespace)
+
+    def counter():
+        n = 0
+
+        def step(device, *, by=1):
+            nonlocal n
+            n += by
+            return n
+
+        return step
+
+    bump, step = namespace["bump"], counter()
+    for _ in range(3):
+        assert ex.run(bump) == [1, 1]
+        assert ex.run(step) == [1, 1]
+    assert namespace["calls"] == 0
+
+
 def test_many_functions_are_kept_up_to_the_bound_oldest_out_first(ex, sent):
     def make(i):
         state = bytes([i % 256]) * STATE
@@ -329,7 +352,7 @@ def test_the_twin_caches_agree_and_stay_bounded():
     for name in ["a", "b", "a", "c", "d", "a", "b", "huge", "huge", "e", "f", "a"]:
         message = bodies[name].message(twin)
         sent_bodies.append(name if message[1] is not None else "-")
-        digest, body, _ = message
+        digest, body, _, _ = message
         if body is None:
             assert worker.get(digest) is not None, name  # the twin never claims what the worker lacks
         else:
@@ -343,7 +366,7 @@ def test_the_twin_caches_agree_and_stay_bounded():
 
 def test_a_digest_the_worker_does_not_hold_is_a_clear_internal_error():
     with pytest.raises(RuntimeError, match="does not hold it"):
-        _transport.load_function((b"0" * 16, None, ()), _transport.FunctionCache())
+        _transport.load_function((b"0" * 16, None, (), False), _transport.FunctionCache())
 
 
 def test_a_function_that_cannot_be_pickled_leaves_no_file():

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 
 from nn_handler.utils._workers import executor
-from nn_handler.utils._workers.function_memo import FunctionMemo
+from nn_handler.utils._workers.function_memo import FunctionMemo, fresh_copy
 from nn_handler.utils._workers.transport import Encoder
 
 
@@ -36,6 +36,7 @@ def packs(monkeypatch):
 
 
 ENCODER = Encoder(None, private=True)
+seen = None
 
 
 def script(source: str, **globals_):
@@ -168,3 +169,29 @@ def test_the_memo_does_not_keep_its_functions_alive():
     del f, namespace
     gc.collect()
     assert ref() is None
+
+
+def test_a_fresh_copy_shares_nothing_a_call_can_rebind():
+    def make():
+        total = 10
+
+        def f(x, *, scale=2):
+            nonlocal total
+            global seen
+            total += x * scale
+            seen = total
+            return total
+
+        return f
+
+    prototype = make()
+    prototype.__globals__.setdefault("seen", None)
+    prototype.tag = "kept"
+    copies = [fresh_copy(prototype) for _ in range(2)]
+    assert [c(1) for c in copies] == [12, 12]  # each its own cell
+    copies[0].__kwdefaults__["scale"] = 5
+    assert copies[1](1) == 14 and prototype.__kwdefaults__ == {"scale": 2}
+    cells = dict(zip(prototype.__code__.co_freevars, prototype.__closure__))
+    assert cells["total"].cell_contents == 10
+    assert all(c.tag == "kept" and c.__qualname__ == prototype.__qualname__ for c in copies)
+    assert seen is None  # the copies wrote to their own globals, not this module's

@@ -54,7 +54,8 @@ NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.cal
 # All of ours that a worker child may load: the worker loop, its transport, the errors, and the packages above.
 WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "nn_handler.errors",
                 "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport",
-                "nn_handler.utils._workers.lending"}  # the transport's result files
+                "nn_handler.utils._workers.lending",  # the transport's result files
+                "nn_handler.utils._workers.function_memo"}  # its copies of functions that cannot change
 
 
 def _within(module: str, prefixes) -> bool:

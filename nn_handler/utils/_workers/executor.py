@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import inspect
 import itertools
@@ -128,7 +129,8 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     packed = _packed.get(func, position)
     if packed is None:
         packed = _pack(func, position, _name(func), encoder)
-        if not packed.files:  # a function holding a large tensor is never kept (it cannot be unchanging anyway)
+        if not packed.files and _packed.unchanging(func):  # (one holding a large tensor never is)
+            packed = dataclasses.replace(packed, unchanging=True)  # workers may copy the one they loaded before
             _packed.put(func, position, packed)
     return packed
 

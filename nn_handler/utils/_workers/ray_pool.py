@@ -532,4 +532,4 @@ def _never_sent(error: BaseException) -> bool:
 
 
 def _message(fn_blob: _transport.PackedFunction) -> tuple:
-    return fn_blob.digest, fn_blob.body, fn_blob.bindings
+    return fn_blob.digest, fn_blob.body, fn_blob.bindings, fn_blob.unchanging

@@ -53,6 +53,7 @@ import cloudpickle
 import torch
 
 from . import lending
+from .function_memo import fresh_copy
 
 SHM_DIR_ENV = "NN_HANDLER_SHM_DIR"
 _shm_dir: list = []  # [the directory or None], filled at first use
@@ -390,13 +391,16 @@ class PackedFunction:
     body: bytes
     bindings: tuple  # per large tensor: (path, nbytes, dtype, shape, requires_grad) of this call's file
     files: tuple[str, ...]
+    # Everything the function refers to is immutable or importable (see
+    # function_memo): a copy of the one loaded before is as good as a new load.
+    unchanging: bool = False
 
     def message(self, known: "FunctionCache") -> tuple:
         """What to send to the worker whose cache ``known`` mirrors; the body only if that worker lacks it."""
         if known.get(self.digest) is not None:
-            return self.digest, None, self.bindings
+            return self.digest, None, self.bindings, self.unchanging
         known.put(self.digest, len(self.body), True)
-        return self.digest, self.body, self.bindings
+        return self.digest, self.body, self.bindings, self.unchanging
 
     def release(self) -> None:
         remove_files(self.files)
@@ -457,19 +461,26 @@ def load_function(message: tuple, cache: FunctionCache, mapped: list | None = No
     the function had been sent whole. ``mapped`` receives a weak reference to
     each tensor mapped from those files (see :func:`release_mapped`).
     """
-    digest, body, bindings = message
+    digest, body, bindings, unchanging = message
     if body is None:
-        body = cache.get(digest)
-        if body is None:
+        entry = cache.get(digest)
+        if entry is None:
             raise RuntimeError("internal error: the caller sent a function by its digest, and this worker does "
                                "not hold it")
+        body = entry[0]
     else:
         # Kept before it is loaded: the caller counts it as held from now on,
         # even if loading it fails here (then it fails again next time, alike).
-        cache.put(digest, len(body), body)
-    if not bindings:
+        entry = [body, None]  # its bytes, and the function loaded from them once (unchanging ones)
+        cache.put(digest, len(body), entry)
+    if bindings:
+        return _FunctionUnpickler(body, bindings, [] if mapped is None else mapped).load()
+    if not unchanging:
         return pickle.loads(body)  # no large tensor: the faster C path
-    return _FunctionUnpickler(body, bindings, [] if mapped is None else mapped).load()
+    if entry[1] is None:
+        entry[1] = pickle.loads(body)  # never called itself: only copied
+    fn, position = entry[1]
+    return fresh_copy(fn), position
 
 
 def release_mapped(mapped: list) -> None:
