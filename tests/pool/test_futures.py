@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 
@@ -360,6 +361,26 @@ def test_a_timeout_in_one_callers_task_leaves_the_others_alone():
         thread.join(60)
         assert others == [i + 1 for i in range(30)]
         assert ex.run(square, 4) == [16, 16]  # the stuck worker was replaced
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_thread_waiting_on_run_ends_the_other_threads_calls_too():
+    # The thread waiting on run() reads the workers' replies itself (no hand-off to the engine thread):
+    # Ctrl-C there ends the pool, and a call of another thread fails instead of waiting for ever.
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    try:
+        pids = ex.run(pid_of)
+        other = ex.submit(sleep_then, 60, "never")
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # to the process: the main thread
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            ex.run(sleep_then, 60, "never")
+        assert time.monotonic() - started < 30
+        with pytest.raises(WorkerDiedError):
+            other.result(timeout=20)
+        assert not pids_alive(pids)
+    finally:
+        ex.shutdown()
 
 
 def test_submit_passes_the_device():

@@ -106,11 +106,16 @@ class WorkerPool(Scheduler):
         self._items = _transport.Encoder(_transport.shm_prefix(f"{self._token}-m"))
         self._lock = threading.RLock()  # the slots and the queue
         self._queue: collections.deque[_Task] = collections.deque()
+        self._calls: set = set()  # every call not finished yet: none is left unanswered when the pool closes
         self._idle = threading.Condition(self._lock)  # notified when nothing is queued or running
         self._engine: threading.Thread | None = None
         self._wake_r = self._wake_w = None
         self._wake_lock = threading.Lock()
-        self._replies: list = []  # the engine's: results read, to unpickle once the lock is let go
+        self._engine_wanted = threading.Condition(self._lock)  # the engine thread waits here while nothing is outstanding
+        self._driver = threading.Lock()  # held by the thread doing the engine's work (see Scheduler)
+        self._poller, self._watched, self._polled = None, {}, None  # the driver's: what it polls, as of which generation
+        self._replies: list = []  # the driver's: results read, to unpickle once the lock is let go
+        self._loading: list = []  # the driver's: results being unpickled
         self._unloaded_of_killed: dict[str, int] = {}  # a killed worker's file prefix -> its replies still to load
         self._generation = 0  # bumped whenever a worker starts or ends: the engine's cue to re-read the slots
         self._closed = False  # no worker will run anything any more
@@ -251,6 +256,7 @@ class WorkerPool(Scheduler):
                     self._cancel_queued()
                 engine = self._engine
                 self._wake()
+                self._engine_wanted.notify_all()
                 while engine is not None and engine is not threading.current_thread() and self._busy():
                     self._idle.wait()  # the queue drains: every task still in it runs first
             if engine is not None and engine is not threading.current_thread():
@@ -291,6 +297,8 @@ class WorkerPool(Scheduler):
                         self._task_failed(task, self._death(slot), died=True)
                     self._kill(slot)
                 self._cancel_queued()
+                for call in list(self._calls):  # e.g. its reply was read when Ctrl-C stopped the thread driving
+                    self._finish(call, RuntimeError("this executor was shut down before the call's result was in"))
                 _transport.remove_prefixed(_transport.shm_prefix(self._token))
                 for files in self._unloaded_of_killed:
                     lending.forget(files)
@@ -299,6 +307,7 @@ class WorkerPool(Scheduler):
                 if self._engine is None or not self._engine.is_alive():
                     self._close_wake_pipe()
                 self._idle.notify_all()
+                self._engine_wanted.notify_all()
 
     def _stop_idle_workers(self) -> None:
         """Ask idle workers to leave and give them a moment to do so."""

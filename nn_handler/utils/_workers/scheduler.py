@@ -146,20 +146,16 @@ class Scheduler:
         for every worker's reply; for calls whose workers wait on each other
         (a process group), where the others would wait for the failed one forever.
         """
-        future = self.run_async(fn_blob, args, kwargs, timeout, name, fail_fast)
-        try:
-            return future.result()
-        except KeyboardInterrupt:
-            self.terminate()  # Ctrl-C: every worker ends with the call
-            raise
-
-    def run_async(self, fn_blob: _transport.PackedFunction, args, kwargs, timeout: float | None, name: str,
-                  fail_fast: bool = False) -> Future:
         payload, files = self._encode((args, kwargs))
         call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True,
                      fail_fast=fail_fast, files=files)
-        self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
-        return call.future
+        self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots], driven=True)
+        try:
+            self._drive_until(call.future)
+            return call.future.result()
+        except KeyboardInterrupt:
+            self.terminate()  # Ctrl-C: every worker ends with the call
+            raise
 
     def submit(self, fn_id: int, fn_blob: _transport.PackedFunction, kind: str, objs: list, timeout: float | None,
                name: str) -> list[Future]:
@@ -211,12 +207,15 @@ class Scheduler:
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc
 
-    def _enqueue(self, calls: list[_Call], tasks: list[_Task]) -> None:
+    def _enqueue(self, calls: list[_Call], tasks: list[_Task], driven: bool = False) -> None:
+        """Queue the tasks and hand them to free workers now; ``driven``: the caller then waits by driving
+        (:meth:`_drive_until`), else the engine thread is called in to wait for them."""
         try:
             if not all(slot.alive for slot in self._slots):
                 self.start()  # starts the workers (errors raise here); one that died since is replaced in _begin
             with self._lock:
                 self._check_open()
+                self._calls.update(calls)
                 for task in tasks:
                     task.call.pending += 1
                 self._queue.extend(tasks)
@@ -235,6 +234,8 @@ class Scheduler:
                 except KeyboardInterrupt:
                     self.terminate()  # Ctrl-C half-way through a message: the worker cannot be trusted
                     raise
+                if not driven:
+                    self._engine_wanted.notify()
                 wake = any(task.call.timeout is not None for task in tasks)
         except BaseException:
             for call in calls:
@@ -258,6 +259,7 @@ class Scheduler:
             task = self._queue.popleft()
             if not task.call.done:
                 task.call.done = True
+                self._calls.discard(task.call)
                 _transport.remove_files(task.call.files)
                 if not task.call.future.cancel():  # a broadcast already running elsewhere
                     task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
@@ -269,52 +271,95 @@ class Scheduler:
                     os.close(fd)
             self._wake_r = self._wake_w = None
 
-    # ----------------------------------------------------------------- the engine thread
+    # ----------------------------------------------------------------- the engine
+    # The engine's work (poll the workers, settle replies, hand out tasks,
+    # enforce deadlines) is done by one thread at a time, the one holding the
+    # driver lock: a caller of run() that waits for its own result does it
+    # itself, which spares two thread switches per call; the engine thread
+    # does it whenever work is outstanding and no caller is driving (submit,
+    # map, callbacks, asyncio). Whoever stops driving with work outstanding
+    # calls the engine thread in, after letting go of the driver lock, so
+    # that a task queued meanwhile is never left without a driver.
     def _engine_main(self) -> None:
-        watched, poller, generation, replies = {}, None, None, None
         try:
             while True:
                 with self._lock:
+                    while not (self._closed or self._closing or self._busy()):
+                        self._engine_wanted.wait()
                     if self._closed or (self._closing and not self._busy()):
                         return
-                    self._dispatch()
-                    if generation != self._generation:  # a worker started or ended: watch the current ones
-                        generation, watched = self._generation, self._watch_list()
-                        poller = select.poll()
-                        for fd in watched:
-                            poller.register(fd, _POLL_IN)
-                    timeout = self._next_deadline()
-                ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
-                with self._lock:
-                    if self._closed:
-                        return
-                    self._handle({fd for fd, _ in ready}, watched)
-                    self._check_deadlines()
-                    if self._replies:
-                        self._dispatch()
-                        replies, self._replies = self._replies, []
-                if replies:
-                    self._load_replies(replies)
-                    replies = None
+                with self._driver:  # waits while a caller drives
+                    while self._drive_once():
+                        with self._lock:
+                            if not self._busy():
+                                break
         except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
-            with self._lock:
-                for slot in self._slots:
-                    if slot.task is not None:
-                        task, slot.task = slot.task, None
-                        self._finish(task.call, exc)
-                while self._queue:
-                    self._finish(self._queue.popleft().call, exc)
-                for task, *_ in (replies or []) + self._replies:
-                    self._finish(task.call, exc)
-                self._replies = []
-                if self._closed:
-                    return  # the pool was closed under it (a replacement's initializer failed): said to its callers
-            raise
+            self._fail_everything(exc)
+            if not self._closed:
+                raise
         finally:
             with self._lock:
                 self._idle.notify_all()
                 if self._closed:
                     self._close_wake_pipe()
+
+    def _drive_until(self, future: Future) -> None:
+        """Do the engine's work in this thread until ``future`` is done, unless another thread is doing it."""
+        if not self._driver.acquire(blocking=False):
+            return  # the driver settles our future too
+        try:
+            while not future.done() and self._drive_once():
+                pass
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the caller terminates the pool
+                self._fail_everything(exc)
+            raise
+        finally:
+            self._driver.release()
+            with self._lock:
+                if self._busy():
+                    self._engine_wanted.notify()  # other callers' tasks: the engine thread takes over
+
+    def _drive_once(self) -> bool:
+        """One round of the engine (the driver lock is held): hand out tasks, wait for the workers or the
+        next deadline, settle what came back. ``False`` once the pool is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._dispatch()
+            if self._polled != self._generation:  # a worker started or ended: watch the current ones
+                self._polled, self._watched = self._generation, self._watch_list()
+                self._poller = select.poll()
+                for fd in self._watched:
+                    self._poller.register(fd, _POLL_IN)
+            timeout = self._next_deadline()
+        ready = self._poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+        with self._lock:
+            if self._closed:
+                return False
+            self._handle({fd for fd, _ in ready}, self._watched)
+            self._check_deadlines()
+            if self._replies:
+                self._dispatch()
+                self._loading, self._replies = self._replies, []
+        if self._loading:
+            # Unpickled after the workers have their next tasks, and without the lock.
+            self._load_replies(self._loading)
+            self._loading = []
+        return True
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """The engine broke (a bug, a replacement whose initializer failed): every task gets ``exc``."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.task is not None:
+                    task, slot.task = slot.task, None
+                    self._finish(task.call, exc)
+            while self._queue:
+                self._finish(self._queue.popleft().call, exc)
+            for task, *_ in self._loading + self._replies:
+                self._finish(task.call, exc)
+            self._loading, self._replies = [], []
 
     def _watch_list(self) -> dict:
         """fd -> (slot, incarnation) to poll: the wake-up pipe, and every worker's pipe and sentinel."""
@@ -355,6 +400,7 @@ class Scheduler:
                 call.started = True
                 if not call.future.set_running_or_notify_cancel():  # cancelled while queued
                     call.done = True
+                    self._calls.discard(call)
                     _transport.remove_files(call.files)
                     continue
             return task
@@ -525,6 +571,7 @@ class Scheduler:
         if call.done:
             return
         call.done = True
+        self._calls.discard(call)
         _transport.remove_files(call.files)
         if error is None and call.failures:
             error = call.error()
