@@ -2,10 +2,10 @@
 
 Data flow::
 
-    caller threads                        engine thread (one per pool)             worker i (one per device)
+    caller threads                        the engine (one thread at a time)       worker i (one per device)
     --------------                        ----------------------------             ------------------------
     submit/run/map: pickle fn, args
-      ──> queue a task, wake the engine ──> a free worker takes the first task
+      ──> queue a task ───────────────────> a free worker takes the first task
                                             that fits it (run: each worker its own)
                                           ──> write (fn_id, kind, fn, payload) ──> count it read, fn(..., device=dev_i)
     Future.result() <── set_result ─────── poll(pipes, sentinels, wake pipe) <──── (ok|err, fn_id, body)
@@ -15,8 +15,11 @@ Data flow::
                                             │   call's other workers are stopped too); replaced on next use
                                             └─ a task's deadline: its workers are killed ──> TimeoutError
 
-Every task carries its caller's future, so callers in many threads share the
-workers and one caller's failure or timeout touches only its own tasks.
+The engine's work is done by the caller waiting on ``run()`` (no hand-off
+between threads on the hot path), else by the pool's engine thread (submit,
+map, callbacks). Every task carries its caller's future, so callers in many
+threads share the workers and one caller's failure or timeout touches only
+its own tasks.
 One duplex pipe per worker (no queue shared by all): a dead worker can only
 break its own pipe. Death is seen on the process sentinel, never by waiting on
 a pipe a dead worker will not write to. The engine owns the running tasks;

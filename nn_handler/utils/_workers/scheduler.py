@@ -1,13 +1,14 @@
-"""Tasks and the engine thread: which worker runs what, and what each caller's future gets.
+"""Tasks and the engine: which worker runs what, and what each caller's future gets.
 
 :class:`Scheduler` is the half of :class:`~.pool.WorkerPool` that deals with
 tasks; the pool itself starts, stops and reaps the worker processes. Callers
 in any thread queue tasks (each with its caller's future) and hand them to
-free workers at once; one engine thread per pool waits on every worker's pipe
-and sentinel (and on a wake-up pipe), resolves futures as replies arrive,
-gives the freed worker the next task that fits it, and enforces deadlines.
-Everything that touches the slots or the queue holds the pool lock; the
-engine lets go of it while it waits.
+free workers at once; the engine waits on every worker's pipe and sentinel
+(and on a wake-up pipe), resolves futures as replies arrive, gives the freed
+worker the next task that fits it, and enforces deadlines. One thread at a
+time does the engine's work: the caller waiting on ``run()``, else the
+pool's engine thread. Everything that touches the slots or the queue holds
+the pool lock; the engine lets go of it while it waits.
 """
 
 from __future__ import annotations
