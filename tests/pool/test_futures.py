@@ -383,6 +383,28 @@ def test_ctrl_c_in_a_thread_waiting_on_run_ends_the_other_threads_calls_too():
         ex.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_the_engine_thread_lets_go_once_nothing_is_outstanding():
+    # The engine thread, called in by a submit while a caller drives, may get the driver lock only once that
+    # caller has settled everything. It must not then poll the idle pool, holding the lock: every later run()
+    # would wait on it instead of reading its replies itself.
+    # (Which thread gets there first varies: a few rounds make the hand-over happen.)
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        pool = ex._pool
+        for round_ in range(4):
+            assert ex.run(square, round_) == [round_ ** 2] * 2
+            with pool._driver:  # this thread drives, as a caller of run() does
+                future = ex.submit(square, 3)  # calls the engine thread in: it waits for the lock
+                time.sleep(0.3)  # (the task is outstanding until its reply is read: the engine thread sees it so)
+                while not future.done():
+                    assert pool._drive_once()
+            assert future.result() == 9
+            deadline = time.monotonic() + 5
+            while pool._driver.locked() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not pool._driver.locked(), f"round {round_}"
+
+
 def test_submit_passes_the_device():
     with ParallelExecutor(device_ids=CPU2) as ex:
         assert str(ex.submit(lambda x, device: (x, device), 1).result(timeout=60)[1]) == "cpu"

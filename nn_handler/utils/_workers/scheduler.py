@@ -64,6 +64,7 @@ class _Slot:
     # wake-up of the caller) and yet its death tells whether it had the task.
     reads: object = None
     sent: int = 0  # messages written to this process
+    inbox: "pipes.Inbox | None" = None  # what it sent, read as it comes
     task_message: int = 0  # the number of its task's message
     deadline: float | None = None
     served: int = 0  # tasks since it started (max_tasks_per_worker)
@@ -290,10 +291,12 @@ class Scheduler:
                     if self._closed or (self._closing and not self._busy()):
                         return
                 with self._driver:  # waits while a caller drives
-                    while self._drive_once():
+                    while True:
                         with self._lock:
-                            if not self._busy():
-                                break
+                            if self._closed or not self._busy():
+                                break  # (the caller that drove may have done it all): never poll an idle pool
+                        if not self._drive_once():
+                            break
         except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
             self._fail_everything(exc)
             if not self._closed:
@@ -446,11 +449,14 @@ class Scheduler:
             # Several messages may be waiting (a reply and a memory probe's): read them all now.
             while slot.incarnation == incarnation and slot.alive:  # else: replaced, or seen through its other fd
                 self._handle_slot(slot)
-                if not (slot.alive and _readable(slot.conn.fileno())):
+                # Nothing more when the buffer holds no whole message and the last read emptied the pipe:
+                # what comes later wakes the engine's poll (saves a system call per reply).
+                if not (slot.alive and (slot.inbox.has_message()
+                                        or not slot.inbox.drained and _readable(slot.conn.fileno()))):
                     break
 
     def _handle_slot(self, slot: _Slot) -> None:
-        reply = pipes.receive(slot.conn, slot.process, slot.deadline if slot.task is not None else None)
+        reply = slot.inbox.receive(slot.deadline if slot.task is not None else None)
         if reply is pipes.LATE:
             return  # the deadline check fails the task
         task = slot.task
