@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-LATE = object()  # receive: the deadline passed in the middle of a reply
+LATE = object()  # Inbox.receive: the deadline passed in the middle of a reply
 
 
 def _poller(fd: int, events: int, process):
@@ -28,10 +28,13 @@ def _poller(fd: int, events: int, process):
     return poller
 
 
-def _read_exact(fd: int, n: int, deadline: float | None, process):
-    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``LATE`` past ``deadline``."""
-    data = bytearray(n)
-    view, got, poller = memoryview(data), 0, None
+def _read_exact(fd: int, n: int, deadline: float | None, process, data: bytearray | None = None, got: int = 0):
+    """``n`` bytes (a bytearray) from the non-blocking ``fd``; ``None`` when the worker is gone, ``LATE`` past ``deadline``.
+
+    ``data``, ``got``: fill the rest of this bytearray of ``n`` bytes, whose first ``got`` are there already.
+    """
+    data = bytearray(n) if data is None else data
+    view, poller = memoryview(data), None
     while got < n:
         try:
             chunk = os.readv(fd, [view[got:]])
@@ -53,25 +56,105 @@ def _read_exact(fd: int, n: int, deadline: float | None, process):
     return data
 
 
-def receive(conn, process, deadline: float | None = None):
-    """The next message from ``process`` on ``conn``; ``None`` when its pipe is closed (it died), ``LATE`` past ``deadline``.
+class Inbox:
+    """The messages of one worker, read without blocking, with a deadline; a small reply costs one system call.
 
-    Read without blocking, for the reason given at :func:`send`: a worker
+    Read without blocking for the reason given at :func:`send`: a worker
     frozen half-way through a large reply must not hold the call past its
-    timeout. (A late reply's worker is then killed with the call.)
+    timeout (a late reply's worker is then killed with the call). One read
+    takes whatever the pipe holds (a reply, and a memory probe's behind it)
+    rather than a header, then a body; a message larger than a read is
+    finished straight into a buffer of its own.
     """
-    fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
-    try:
-        header = _read_exact(fd, 4, deadline, process)
-        if header == b"\xff\xff\xff\xff":  # Connection's framing of a message over 2 GiB
-            header = _read_exact(fd, 8, deadline, process)
-        if not isinstance(header, bytearray):
-            return header
-        size = struct.unpack("!Q" if len(header) == 8 else "!i", header)[0]
-        body = _read_exact(fd, size, deadline, process)
+
+    READ_SIZE = 1 << 16
+
+    def __init__(self, conn, process):
+        self._fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
+        self._process = process
+        self._buffer = bytearray()
+        self._start = 0  # where the next message begins in the buffer
+        self.drained = True  # the last read took all the pipe held (as far as it could tell)
+
+    def has_message(self) -> bool:
+        """Whether a whole message is in the buffer already."""
+        return self._frame(take=False) is not None
+
+    def receive(self, deadline: float | None = None):
+        """The next message; ``None`` when the worker is gone (or its pipe closed), ``LATE`` past ``deadline``."""
+        while True:
+            body = self._frame()
+            if body is not None:
+                return pickle.loads(body)
+            frame = self._frame_size()
+            if frame is not None and frame[1] > self.READ_SIZE:
+                return self._receive_large(*frame, deadline)
+            try:
+                chunk = os.read(self._fd, self.READ_SIZE)
+            except BlockingIOError:
+                self.drained = True
+                chunk = _wait_readable(self._fd, deadline, self._process)
+                if chunk is not True:
+                    return chunk  # None (gone) or LATE
+                continue
+            except OSError:
+                return None
+            if not chunk:
+                return None  # EOF: its end is closed
+            self.drained = len(chunk) < self.READ_SIZE
+            self._buffer += chunk
+
+    def _frame_size(self) -> tuple[int, int] | None:
+        """``(header bytes, body bytes)`` of the message the buffer begins, or ``None`` while its header is incomplete."""
+        have = len(self._buffer) - self._start
+        if have < 4:
+            return None
+        size = struct.unpack_from("!i", self._buffer, self._start)[0]
+        if size != -1:
+            return 4, size
+        if have < 12:  # Connection's framing of a message over 2 GiB
+            return None
+        return 12, struct.unpack_from("!Q", self._buffer, self._start + 4)[0]
+
+    def _frame(self, take: bool = True) -> bytearray | bool | None:
+        """The body of the next whole message in the buffer (``take=False``: only whether there is one), or ``None``."""
+        frame = self._frame_size()
+        if frame is None or len(self._buffer) - self._start < frame[0] + frame[1]:
+            return None
+        if not take:
+            return True
+        begin = self._start + frame[0]
+        self._start = begin + frame[1]
+        body = self._buffer[begin:self._start]
+        if self._start == len(self._buffer):
+            self._buffer.clear()
+            self._start = 0
+        return body
+
+    def _receive_large(self, head: int, size: int, deadline: float | None):
+        """Finish a message larger than a read in a buffer of its own (the buffer holds only its beginning)."""
+        have = self._buffer[self._start + head:]
+        self._buffer.clear()
+        self._start = 0
+        body = bytearray(size)
+        body[:len(have)] = have
+        try:
+            body = _read_exact(self._fd, size, deadline, self._process, data=body, got=len(have))
+        except OSError:
+            return None
+        self.drained = True
         return pickle.loads(body) if isinstance(body, bytearray) else body
-    except OSError:
-        return None
+
+
+def _wait_readable(fd: int, deadline: float | None, process):
+    """Wait until ``fd`` has something to read: ``True``; ``None`` once the worker is gone; ``LATE`` past ``deadline``."""
+    if not process.is_alive():
+        return None  # dead, and nothing more to read (a process it forked may hold its end: no EOF)
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        return LATE
+    _poller(fd, select.POLLIN, process).poll(None if left is None else max(1, int(left * 1000)))
+    return True
 
 
 def send(conn, process, data: bytes, deadline: float | None) -> bool:

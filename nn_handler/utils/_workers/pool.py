@@ -187,6 +187,7 @@ class WorkerPool(Scheduler):
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
             slot.reads, slot.sent = reads, 0
+            slot.inbox = pipes.Inbox(parent_conn, process)
             self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
             slot.functions = _transport.FunctionCache()  # a new process holds no function yet
@@ -413,7 +414,7 @@ class WorkerPool(Scheduler):
     @staticmethod
     def _receive(slot: _Slot, deadline: float | None = None):
         """The next reply of ``slot``; ``None`` when it died, ``pipes.LATE`` past ``deadline``."""
-        return pipes.receive(slot.conn, slot.process, deadline)
+        return slot.inbox.receive(deadline)
 
     def _record_error(self, slot: _Slot, body, failures: list, exceptions: dict) -> None:
         record, blob = body
