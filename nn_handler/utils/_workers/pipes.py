@@ -34,21 +34,14 @@ def _read_exact(fd: int, n: int, deadline: float | None, process, data: bytearra
     ``data``, ``got``: fill the rest of this bytearray of ``n`` bytes, whose first ``got`` are there already.
     """
     data = bytearray(n) if data is None else data
-    view, poller = memoryview(data), None
+    view = memoryview(data)
     while got < n:
         try:
             chunk = os.readv(fd, [view[got:]])
         except BlockingIOError:
-            if poller is None:  # only now: most messages are there in full when the caller comes to read
-                poller = _poller(fd, select.POLLIN, process)
-            if not process.is_alive():
-                # Dead, and nothing more to read; no EOF to wait for when a
-                # process it forked still holds its end of the pipe.
-                return None
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return LATE
-            poller.poll(None if left is None else max(1, int(left * 1000)))
+            waited = _wait_readable(fd, deadline, process)
+            if waited is not True:
+                return waited
             continue
         if chunk == 0:
             return None
@@ -149,7 +142,9 @@ class Inbox:
 def _wait_readable(fd: int, deadline: float | None, process):
     """Wait until ``fd`` has something to read: ``True``; ``None`` once the worker is gone; ``LATE`` past ``deadline``."""
     if not process.is_alive():
-        return None  # dead, and nothing more to read (a process it forked may hold its end: no EOF)
+        # Dead, and nothing more to read; no EOF to wait for when a process
+        # it forked still holds its end of the pipe.
+        return None
     left = None if deadline is None else deadline - time.monotonic()
     if left is not None and left <= 0:
         return LATE
