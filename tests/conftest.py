@@ -59,7 +59,7 @@ def live_children(pid: int | None = None) -> list[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _stall_reports_out_of_the_repo(tmp_path_factory):
-    # A test whose rank dies writes a stall report (tests/dist/test_on_rank.py, the elastic restarts); the
+    # A test whose rank dies writes a stall report (tests/ranks/test_on_rank.py, the elastic restarts); the
     # ranks' cwd is the repository, so send the reports to a temporary directory (rank processes inherit it).
     os.environ["NN_HANDLER_STALL_DIR"] = str(tmp_path_factory.mktemp("stall-reports"))
     yield

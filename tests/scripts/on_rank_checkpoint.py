@@ -1,4 +1,4 @@
-"""Launched by torchrun in tests/dist/test_on_rank.py: save a checkpoint from @on_rank(0), then fail in it.
+"""Launched by torchrun in tests/ranks/test_on_rank.py: save a checkpoint from @on_rank(0), then fail in it.
 
 Every rank prints what it raised (a flat ``RESULT {json}`` line) and re-raises,
 so the job ends with a non-zero exit and the error text from both ranks.
