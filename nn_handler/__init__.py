@@ -48,6 +48,7 @@ _LAZY = {
                         "setup_parallel_model", "unwrap_parallel_model", "dispatch_model", "get_data_parallel_info",
                         "parallel_predict", "plan_device_map", "validate_data_parallel_setup"),
     ".callbacks": ("Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint"),
+    ".loggers": ("TensorBoardLogger",),
     ".handler": ("NNHandler",),
     ".history": ("History",),
 }
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
     from .handler import NNHandler
     from .history import History
+    from .loggers import TensorBoardLogger
     from .utils._workers.worker import worker_state
     from .utils.ddp import (
         barrier,
@@ -176,6 +178,7 @@ __all__ = [
     "EarlyStopping",
     "ModelCheckpoint",
     "CSVLogger",
+    "TensorBoardLogger",
     "NonFiniteLossError",
     "CheckpointError",
     "CheckpointMismatchError",

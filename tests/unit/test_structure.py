@@ -26,6 +26,7 @@ PACKAGE = REPO / "nn_handler"
 NOT_IN_A_WORKER = {
     "nn_handler.handler",
     "nn_handler.callbacks",
+    "nn_handler.loggers",
     "nn_handler.checkpoint",
     "nn_handler.history",
     "nn_handler._training",
@@ -50,7 +51,8 @@ NOT_IN_A_WORKER = {
 
 # The worker pool sits below the trainer and the model helpers: it never imports them, not even lazily.
 WORKERS = "nn_handler.utils._workers"
-NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.callbacks", "nn_handler.utils._models")
+NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.callbacks", "nn_handler.loggers",
+                   "nn_handler.utils._models")
 # All of ours that a worker child may load: the worker loop, its transport, the errors, and the packages above.
 WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "nn_handler.errors",
                 "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport",
@@ -177,9 +179,11 @@ def test_the_import_graph_has_no_cycle():
         " <-> ".join(c) for c in cycles)
 
 
-def test_callbacks_never_import_the_trainer():
-    assert "nn_handler.handler" not in import_graph()["nn_handler.callbacks"]  # not even under TYPE_CHECKING
-    assert "nn_handler.handler" not in _closure(import_graph(type_checking=False), "nn_handler.callbacks")
+@pytest.mark.parametrize("module", ["nn_handler.callbacks", "nn_handler.loggers"])
+def test_callbacks_and_loggers_never_import_the_trainer(module):
+    assert "nn_handler.handler" not in import_graph()[module]  # not even under TYPE_CHECKING
+    assert "nn_handler.handler" not in _closure(import_graph(type_checking=False), module)
+    assert "nn_handler.handler" not in import_graph(in_functions=True)[module]  # nor lazily
 
 
 def test_errors_import_nothing_from_the_package():
@@ -292,7 +296,7 @@ PUBLIC_NAMES = {
         "is_parallel_available", "get_gpu_memory_info", "print_gpu_memory_info", "get_gpu_stats",
         "get_recommended_batch_size", "dispatch_model", "plan_device_map", "parallel_predict",
         "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "History", "Callback",
-        "EarlyStopping", "ModelCheckpoint", "CSVLogger", "NonFiniteLossError", "CheckpointError",
+        "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TensorBoardLogger", "NonFiniteLossError", "CheckpointError",
         "CheckpointMismatchError", "MissingExtraError", "TrainingPreempted", "PREEMPTED_EXIT_CODE",
     ],
     "nn_handler.utils.ddp": [
@@ -317,6 +321,7 @@ PUBLIC_NAMES = {
         "CheckpointMismatchError", "MissingExtraError",
     ],
     "nn_handler.callbacks": ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger"],
+    "nn_handler.loggers": ["TensorBoardLogger"],
     "nn_handler.checkpoint": [
         "FORMAT", "atomic_save", "load_payload", "load_weights", "state_dict_diff", "capture_rng_state",
         "restore_rng_state", "list_checkpoints", "is_temp_file", "run_checkpoint_name", "run_checkpoint_key",

@@ -1,0 +1,163 @@
+"""Training curves where people look for them: :class:`TensorBoardLogger`, a callback over ``SummaryWriter``.
+
+Install the extra first: ``pip install 'nn_handler[tensorboard]'``; then
+``tensorboard --logdir runs`` serves the curves at http://localhost:6006.
+
+Example:
+    >>> import tempfile
+    >>> from nn_handler.loggers import TensorBoardLogger
+    >>> logger = TensorBoardLogger(tempfile.mkdtemp(), log_every_n_steps=10, hparams={"lr": 0.05})
+    >>> logger.log_every_n_steps
+    10
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ._checks import check_int, invalid
+from .callbacks import Callback, TrainerView
+from .errors import MissingExtraError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorBoardLogger"]
+
+HParam = bool | int | float | str
+
+
+class TensorBoardLogger(Callback):
+    """Write a run's History, step losses, learning rates and hyperparameters as TensorBoard event files.
+
+    Rank 0 alone writes (the History is already reduced over all ranks); the
+    other ranks do nothing. Every scalar's step is the global optimizer step
+    (:attr:`NNHandler.global_step`), so curves of different runs line up and a
+    continued run (another ``train()`` call after a ``max_steps`` stop, a
+    ``resume``, a preemption) goes on along the same curves. Tags:
+
+    - ``epoch/<key>``: every History key of a completed epoch (``train_loss``,
+      ``val_loss``, ``val_<metric>``, ``lr``, ``epoch_time``, ...), at the
+      step where the epoch ended.
+    - ``part_epoch/<key>``: the History row of an epoch that ``max_steps`` or
+      ``max_time`` stopped part-way. The run that completes the epoch writes
+      its ``epoch/<key>`` point later, so the ``epoch/`` curves have exactly
+      one point per completed epoch.
+    - ``step/train_loss``: rank 0's training loss (the mean of the step's
+      micro-batches) every ``log_every_n_steps`` optimizer steps, with
+      ``step/lr_group<i>``, the learning rate of each param group.
+
+    A writer that starts at a global step above 0 (a resumed run) marks that
+    step in its file, and TensorBoard drops older points from that step on:
+    a run that crashed after its last checkpoint leaves no duplicate points.
+
+    Args:
+        log_dir: The directory for the event files; use one per run.
+        log_every_n_steps: Step losses every this many optimizer steps (>= 1).
+        hparams: Hyperparameters (str -> bool, int, float or str) shown in
+            TensorBoard's HParams tab, next to the run's ``epoch/`` losses and metrics.
+
+    Raises:
+        MissingExtraError: TensorBoard is not installed (``pip install 'nn_handler[tensorboard]'``).
+        ConfigurationError: A bad argument.
+
+    Example:
+        >>> TensorBoardLogger("runs", hparams={"layers": [2, 3]})
+        Traceback (most recent call last):
+        ...
+        nn_handler.errors.ConfigurationError: hparams['layers'] must be a bool, int, float or str, got [2, 3]
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, log_every_n_steps: int = 50,
+                 hparams: Mapping[str, HParam] | None = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise MissingExtraError(
+                "TensorBoardLogger needs tensorboard, which is not installed; install the tensorboard extra: "
+                "pip install 'nn_handler[tensorboard]'"
+            ) from exc
+        check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+        for key, value in (hparams or {}).items():
+            if not isinstance(key, str):
+                raise invalid("hparams", "a mapping with str keys", key)
+            if not isinstance(value, (bool, int, float, str)):
+                raise invalid(f"hparams[{key!r}]", "a bool, int, float or str", value)
+        self._summary_writer = SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.log_every_n_steps = log_every_n_steps
+        self.hparams = dict(hparams or {})
+        self._writer: Any = None
+        self._hparams_written = False
+        self._step_losses: list[torch.Tensor] = []  # the micro-batches of the optimizer step under way
+        self._last_step = -1
+
+    def on_train_begin(self, handler: TrainerView) -> None:
+        if not handler.is_main_process or self._writer is not None:
+            return
+        # One writer (one file) for the callback's life: another train() call
+        # continues it. A writer opened on a resumed run purges the later steps
+        # an earlier process may have logged past its last checkpoint.
+        step = handler.global_step
+        self._writer = self._summary_writer(os.fspath(self.log_dir), purge_step=step + 1 if step else None)
+        self._hparams_written = False
+
+    def on_epoch_begin(self, handler: TrainerView, epoch: int) -> None:
+        self._step_losses.clear()
+        self._last_step = handler.global_step
+
+    def on_batch_end(self, handler: TrainerView, step: int, loss: torch.Tensor) -> None:
+        if self._writer is None:
+            return
+        self._step_losses.append(loss)
+        global_step = handler.global_step
+        if global_step == self._last_step:  # inside an accumulation group
+            return
+        self._last_step = global_step
+        losses, self._step_losses = self._step_losses, []
+        if global_step % self.log_every_n_steps:
+            return
+        # .item() waits for the device: only on the steps that are logged.
+        mean = sum(float(t) for t in losses) / len(losses)
+        self._writer.add_scalar("step/train_loss", mean, global_step)
+        if handler.optimizer is not None:
+            for i, group in enumerate(handler.optimizer.param_groups):
+                self._writer.add_scalar(f"step/lr_group{i}", float(group["lr"]), global_step)
+
+    def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        # The trainer counts an epoch as done only when it completed; a part
+        # (a max_steps or max_time stop) leaves handler.epoch behind ``epoch``.
+        part = handler.epoch < epoch
+        prefix = "part_epoch" if part else "epoch"
+        for key, value in logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{prefix}/{key}", value, handler.global_step)
+        if self.hparams and not self._hparams_written:
+            self._write_hparams(logs)
+        self._writer.flush()
+
+    def on_train_end(self, handler: TrainerView) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (a later ``train()`` opens a new one)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _write_hparams(self, logs: Mapping[str, Any]) -> None:
+        # Into this run's own file, not the sub-run SummaryWriter.add_hparams
+        # makes: the HParams tab then shows this run's epoch/ curves beside them.
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {f"epoch/{k}": math.nan for k in logs if k.startswith(("train_", "val_"))}
+        file_writer = self._writer._get_file_writer()
+        for summary in hparams(self.hparams, metrics):
+            file_writer.add_summary(summary)
+        self._hparams_written = True

@@ -1,0 +1,183 @@
+"""TensorBoardLogger: its event files, read back with TensorBoard's EventAccumulator, equal the History."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from nn_handler.callbacks import Callback
+from nn_handler.errors import ConfigurationError, MissingExtraError
+from scripts.handler_case import make_data, make_handler, make_model
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from nn_handler.loggers import TensorBoardLogger  # noqa: E402
+
+BATCH = 8  # 96 samples: 12 batches, 12 optimizer steps an epoch
+
+
+def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` as TensorBoard shows them (all points, later files' purges applied)."""
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+class BatchLosses(Callback):
+    """Every micro-batch's loss with the global step after it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_batch_end(self, handler, step, loss):
+        self.seen.append((handler.global_step, loss.item()))
+
+
+def step_means(seen, every):
+    """The mean loss of each optimizer step's micro-batches, every ``every`` steps: what step/train_loss holds."""
+    # A micro-batch before an update sees the previous step: group them by the update that follows.
+    groups, pending = {}, []
+    last = 0
+    for step, loss in seen:
+        pending.append(loss)
+        if step != last:
+            groups[step], pending, last = pending, [], step
+    return [(s, sum(v) / len(v)) for s, v in groups.items() if s % every == 0]
+
+
+def make(callbacks, grad_accum=1, **kwargs):
+    X, y = make_data(96)
+    Xv, yv = make_data(37, seed=1)
+    handler = make_handler(make_model(dropout=0.2), seed=5, grad_accum_steps=grad_accum, callbacks=callbacks,
+                           **kwargs)
+    handler.set_train_loader(TensorDataset(X, y), batch_size=BATCH, shuffle=True)
+    handler.set_val_loader(TensorDataset(Xv, yv), batch_size=BATCH)
+    return handler
+
+
+LEARNING = ("epoch", "train_loss", "train_mae", "val_loss", "val_mae", "lr")  # the same in a straight run
+
+
+def assert_epoch_curves_equal_history(scalars, history, steps, keys=None):
+    for key in keys or history.keys():
+        assert f"epoch/{key}" in scalars, key
+        assert [s for s, _ in scalars[f"epoch/{key}"]] == steps, key
+        assert [v for _, v in scalars[f"epoch/{key}"]] == pytest.approx(history[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("grad_accum,every", [(1, 1), (2, 3)])
+def test_the_event_files_hold_the_history_the_step_losses_and_the_learning_rates(tmp_path, grad_accum, every):
+    losses = BatchLosses()
+    handler = make([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=every), losses], grad_accum=grad_accum)
+    history = handler.train(3, progress=False)
+    scalars = read_scalars(tmp_path / "tb")
+
+    steps_per_epoch = 12 // grad_accum
+    assert_epoch_curves_equal_history(scalars, history, [steps_per_epoch * e for e in (1, 2, 3)])
+    expected = step_means(losses.seen, every)
+    assert [s for s, _ in scalars["step/train_loss"]] == [s for s, _ in expected]
+    assert [v for _, v in scalars["step/train_loss"]] == pytest.approx([v for _, v in expected], rel=1e-6)
+    # StepLR(2, 0.5) steps after each epoch: the lr of each logged step is that of its epoch.
+    lrs = scalars["step/lr_group0"]
+    assert [s for s, _ in lrs] == [s for s, _ in expected]
+    assert [v for _, v in lrs] == pytest.approx([history["lr"][(s - 1) // steps_per_epoch] for s, _ in lrs])
+    assert not any(tag.startswith("part_epoch/") for tag in scalars)
+
+
+def _straight(tmp_path):
+    losses = BatchLosses()
+    handler = make([TensorBoardLogger(tmp_path / "straight", log_every_n_steps=1), losses])
+    handler.train(3, progress=False)
+    return handler, read_scalars(tmp_path / "straight")
+
+
+def test_a_run_stopped_at_max_steps_and_continued_draws_the_curves_of_a_straight_run(tmp_path):
+    straight, want = _straight(tmp_path)
+
+    logger = TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)
+    handler = make([logger])
+    handler.train(3, max_steps=17, progress=False)
+    part_row = handler.history.last()
+    handler.train(3, progress=False)
+    got = read_scalars(tmp_path / "tb")
+
+    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
+    assert_epoch_curves_equal_history(got, handler.history, [12, 24, 36])
+    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    # The part-epoch is logged once, as a part, at the step where it stopped: no second epoch-2 point.
+    assert got["part_epoch/epoch"] == [(17, 2.0)]
+    assert got["part_epoch/train_loss"] == [(17, pytest.approx(part_row["train_loss"], rel=1e-6))]
+
+
+def test_a_resumed_run_continues_the_curves_and_drops_what_a_crashed_run_logged_past_its_checkpoint(tmp_path):
+    straight, want = _straight(tmp_path)
+
+    first = make([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)])
+    first.train(3, max_steps=17, progress=False)
+    first.save_checkpoint(tmp_path / "at17.ckpt")
+    first.train(3, max_steps=30, progress=False)  # logged steps 18..30 and epoch 2, then "crashed"
+    # Event files are read in the order of their names, which start with the second they were made.
+    time.sleep(1.1)
+    resumed = make([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)])
+    resumed.load_checkpoint(tmp_path / "at17.ckpt")
+    resumed.train(3, progress=False)
+    got = read_scalars(tmp_path / "tb")
+
+    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
+    assert_epoch_curves_equal_history(got, resumed.history, [12, 24, 36])
+    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    assert [s for s, _ in got["part_epoch/epoch"]] == [17]
+
+
+def test_only_the_main_process_writes(tmp_path, monkeypatch):
+    logger = TensorBoardLogger(tmp_path / "tb")
+
+    class NotMain:
+        is_main_process, global_step, epoch, optimizer = False, 0, 0, None
+
+    logger.on_train_begin(NotMain())
+    logger.on_epoch_begin(NotMain(), 1)
+    logger.on_batch_end(NotMain(), 0, torch.tensor(1.0))
+    logger.on_epoch_end(NotMain(), 1, {"epoch": 1, "train_loss": 1.0})
+    logger.on_train_end(NotMain())
+    assert not (tmp_path / "tb").exists()
+
+
+def test_hyperparameters_reach_the_hparams_tab(tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    hparams = {"lr": 0.05, "optimizer": "sgd", "layers": 2}
+    handler = make([TensorBoardLogger(tmp_path / "tb", hparams=hparams)])
+    handler.train(1, progress=False)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    got = {k: v.string_value or v.number_value for k, v in start.session_start_info.hparams.items()}
+    assert got == hparams
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == {
+        "epoch/train_loss", "epoch/val_loss", "epoch/train_mae", "epoch/val_mae"}
+
+
+def test_without_tensorboard_the_logger_names_the_extra_when_created(monkeypatch):
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith(("tensorboard.", "torch.utils.tensorboard"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    with pytest.raises(MissingExtraError, match=r"pip install 'nn_handler\[tensorboard\]'"):
+        TensorBoardLogger("runs")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
+    ({"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
+    ({"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
+])
+def test_bad_arguments_are_refused_when_the_logger_is_created(tmp_path, kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        TensorBoardLogger(tmp_path, **kwargs)
