@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Callable, Iterator, ParamSpec, Sequence, TypeVar, Union
+from typing import Callable, Iterator, Literal, ParamSpec, Sequence, TypeVar, Union, overload
 
 import torch.distributed as dist
 
@@ -76,6 +76,16 @@ def _check_range(ranks: tuple[int, ...], world_size: int, name: str) -> None:
             f"on_rank({name}): rank must be in [0, {world_size}) (the world size is {world_size}), "
             f"got {bad[0] if len(bad) == 1 else bad}"
         )
+
+
+# Types: the decorated function keeps its parameters; its result is
+# ``R | None`` (None on the ranks that skip it) unless every rank gets it.
+@overload
+def on_rank(rank: Ranks, barrier: bool = False, *, broadcast_result: Literal[True],
+            debug: bool | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+@overload
+def on_rank(rank: Ranks, barrier: bool = False, *, broadcast_result: bool = False,
+            debug: bool | None = None) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
 
 def on_rank(

@@ -832,12 +832,14 @@ def test_decorator_bare_and_bad_arguments(monkeypatch):
         parallelize_on_gpus(num_gpus=0)
 
 
-def test_decorator_is_typed_with_the_functions_parameters():
-    # A type checker sees `f(x: int) -> float` decorated as `(x: int) -> list[float]` with .shutdown().
+def test_decorator_is_typed_without_the_device_it_passes():
+    # A type checker sees `f(device, x: int) -> float` decorated as `(x: int) -> list[float]` with .shutdown();
+    # tests/launch/test_typing.py runs mypy on a user's script against the installed package.
     P, R, typed = _executor.P, _executor.R, _reusable.ParallelFunction
-    bare, configured = (typing.get_type_hints(o)["return"] for o in typing.get_overloads(parallelize_on_gpus))
-    assert bare == typed[P, R]
-    assert configured == typing.Callable[[typing.Callable[P, R]], typed[P, R]]
+    hints = [typing.get_type_hints(o, localns={"torch": torch}) for o in typing.get_overloads(parallelize_on_gpus)]
+    assert hints[0]["num_gpus"] == typing.Callable[typing.Concatenate[torch.device, P], R]
+    assert hints[0]["return"] == typed[P, R]
+    assert hints[2]["return"] is _reusable.DeviceDecorator  # the configured decorator, pass_device=True
     call = typing.get_type_hints(typed.__call__)
     assert (call["args"], call["kwargs"], call["return"]) == (P.args, P.kwargs, list[R])
     assert "shutdown" in dir(typed)

@@ -13,7 +13,7 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, ParamSpec, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterator, ParamSpec, Sequence, TypeVar, overload
 
 import cloudpickle
 
@@ -24,6 +24,9 @@ from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ParallelExecutor", "ExecutorTimeoutError", "worker_state"]
 
@@ -332,6 +335,14 @@ class ParallelExecutor(concurrent.futures.Executor):
         else:
             self._pool.shutdown_later(cancel=cancel_futures)
 
+    # Types: a function that takes the device first is shown without it (the
+    # executor passes it); one that takes it elsewhere (by keyword, or after
+    # its data) cannot be written as a ParamSpec, and keeps its result type only.
+    @overload
+    def run(self, func: Callable[Concatenate[torch.device, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
+    @overload
+    def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]: ...
+
     def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
         """Call ``func(*args, **kwargs)`` once on every worker (after the tasks they are running).
 
@@ -358,6 +369,12 @@ class ParallelExecutor(concurrent.futures.Executor):
             raise
         finally:
             fn_blob.release()
+
+    @overload
+    def submit(self, fn: Callable[Concatenate[torch.device, P], R], /, *args: P.args,
+               **kwargs: P.kwargs) -> concurrent.futures.Future[R]: ...
+    @overload
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]: ...
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[R]":
         """Run ``fn(*args, **kwargs)`` once, on whichever worker is free; its future holds the result.

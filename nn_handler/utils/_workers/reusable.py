@@ -13,13 +13,16 @@ import functools
 import os
 import threading
 import warnings
-from typing import Any, Callable, Protocol, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Literal, Protocol, Sequence, cast, overload
 
 from ..._checks import check_choice, check_int, check_number, invalid
 from .executor import P, R, ParallelExecutor, _check_timeout, _worker_devices
 from .ray_actor import import_ray, ray_devices
 
-__all__ = ["parallelize_on_gpus", "ParallelFunction"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["parallelize_on_gpus", "ParallelFunction", "DeviceDecorator"]
 
 
 class _WarmPools:
@@ -114,15 +117,46 @@ class ParallelFunction(Protocol[P, R]):
         """End the warm pool now instead of after ``keep_alive`` idle seconds."""
 
 
+class DeviceDecorator(Protocol):
+    """What ``parallelize_on_gpus(...)`` returns with ``pass_device=True``: a decorator that hides the device.
+
+    A function that takes the device first (``def f(device, x: int) -> float``)
+    is called without it (``f(3) -> list[float]``). One that takes it elsewhere
+    (by keyword, or after its data) cannot be written as a ``ParamSpec``: its
+    arguments are not checked, its result type still is.
+    """
+
+    @overload
+    def __call__(self, func: Callable[Concatenate[torch.device, P], R]) -> ParallelFunction[P, R]: ...
+    @overload
+    def __call__(self, func: Callable[..., R]) -> ParallelFunction[..., R]: ...
+
+
+# Used bare (@parallelize_on_gpus): pass_device is True.
 @overload
-def parallelize_on_gpus(num_gpus: Callable[P, R]) -> ParallelFunction[P, R]: ...
-
-
+def parallelize_on_gpus(num_gpus: Callable[Concatenate[torch.device, P], R]) -> ParallelFunction[P, R]: ...
+@overload
+def parallelize_on_gpus(num_gpus: Callable[..., R]) -> ParallelFunction[..., R]: ...
+@overload
+def parallelize_on_gpus(num_gpus: int | None = None, pass_device: Literal[True] = True, *,
+                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                        keep_alive: float = 60, backend: str = "local",
+                        address: str | None = None) -> DeviceDecorator: ...
+@overload
+def parallelize_on_gpus(num_gpus: int | None, pass_device: Literal[False], *,
+                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                        keep_alive: float = 60, backend: str = "local",
+                        address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
+@overload
+def parallelize_on_gpus(num_gpus: int | None = None, *, pass_device: Literal[False],
+                        device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+                        keep_alive: float = 60, backend: str = "local",
+                        address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 @overload
 def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
                         keep_alive: float = 60, backend: str = "local",
-                        address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
+                        address: str | None = None) -> Callable[[Callable[..., R]], ParallelFunction[..., R]]: ...
 
 
 def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
@@ -146,9 +180,9 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
 
     Returns:
         The decorator (used bare: the decorated function). The decorated
-        function takes ``func``'s arguments (typed with its ``ParamSpec``)
-        and returns a list of its results, one per device; its
-        ``shutdown()`` ends the warm pool now.
+        function takes ``func``'s arguments but the device (typed with its
+        ``ParamSpec``: see :class:`DeviceDecorator`) and returns a list of its
+        results, one per device; its ``shutdown()`` ends the warm pool now.
 
     Example:
         >>> @parallelize_on_gpus(device_ids=["cpu", "cpu"])
