@@ -181,3 +181,20 @@ def test_without_tensorboard_the_logger_names_the_extra_when_created(monkeypatch
 def test_bad_arguments_are_refused_when_the_logger_is_created(tmp_path, kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         TensorBoardLogger(tmp_path, **kwargs)
+
+
+def test_a_run_resumed_with_resume_auto_from_a_mid_epoch_checkpoint_continues_the_curves(tmp_path):
+    straight, want = _straight(tmp_path)
+
+    make([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)], checkpoint_dir=tmp_path / "ck").train(
+        3, max_steps=17, progress=False)  # the stop writes a mid-epoch checkpoint, as a preemption does
+    time.sleep(1.1)  # a later process: a later event file
+    resumed = make([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)], checkpoint_dir=tmp_path / "ck",
+                   resume="auto")
+    resumed.train(3, progress=False)
+    got = read_scalars(tmp_path / "tb")
+
+    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
+    assert_epoch_curves_equal_history(got, resumed.history, [12, 24, 36])
+    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    assert [s for s, _ in got["part_epoch/epoch"]] == [17]
