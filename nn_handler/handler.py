@@ -45,6 +45,7 @@ from ._training import resume as R
 from ._training.config import Resume, TrainingConfig, config_property, seed_everything
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts
+from ._training.precision import Precision
 from ._training.sharded_checkpoint import load_model
 from ._training.sharding import full_model_state, shard_model
 from ._training.state import TrainingState, state_property
@@ -86,7 +87,8 @@ class NNHandler:
             gets ``val_loss``, else ``train_loss``).
         metrics: ``{"name": fn(outputs, targets) -> float}``; recorded as
             ``train_<name>`` and ``val_<name>``, averaged per sample.
-        amp: Autocast: bf16 on CPU, fp16 with a ``GradScaler`` on CUDA.
+        amp: Mixed precision: ``"bf16"``, ``"fp16"`` (with a ``GradScaler``), ``True`` (bf16 where
+            the device has it: the CPU, a CUDA GPU reporting bf16 support; else fp16) or ``False``.
         grad_accum_steps: Micro-batches per optimizer step (the loss is divided
             by it). Under DDP, non-final micro-steps skip the all-reduce
             (``no_sync``). The last group of an epoch may be shorter.
@@ -130,8 +132,8 @@ class NNHandler:
             optimizer steps (a one-int collective); by default about once a
             second of training, whatever the step time (see :mod:`nn_handler._training.preemption`).
         strategy: ``"auto"`` or ``"ddp"``: every rank holds the whole model (DDP). ``"fsdp"``: FSDP2 (``fully_shard``)
-            shards parameters, gradients and optimizer state over the ranks; ``amp`` becomes a
-            ``MixedPrecisionPolicy`` (bf16 parameters, fp32 gradient reduction); checkpoints are directories
+            shards parameters, gradients and optimizer state over the ranks; ``amp`` also sets its
+            ``MixedPrecisionPolicy`` (parameters in that dtype, fp32 gradient reduction); checkpoints are directories
             written by every rank with ``torch.distributed.checkpoint`` that resume on any number of ranks (see
             :meth:`export_model` for one file of weights). One process (no group) trains the plain model.
         fsdp_wrap: Module classes (e.g. ``{Block}``) whose instances are sharded each on their own, then the
@@ -179,7 +181,7 @@ class NNHandler:
         use_distributed: bool | None = None,
         scheduler: Any = None,
         metrics: Mapping[str, Callable] | None = None,
-        amp: bool = False,
+        amp: bool | str = False,
         grad_accum_steps: int = 1,
         clip_grad_norm: float | None = None,
         sync_batchnorm: bool = False,
@@ -233,8 +235,8 @@ class NNHandler:
                                      f"this run is on {self.device.type}: leave it False")
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
-        # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.
-        self.scaler = torch.amp.GradScaler("cuda") if self.config.amp and self.device.type == "cuda" else None
+        self.precision = Precision.resolve(self.config.amp, self.device)  # the one decision of dtype and scaler
+        self.scaler = self.precision.make_scaler()
 
         self.callbacks: list[Callback] = []
         for cb in callbacks or []:
@@ -294,7 +296,7 @@ class NNHandler:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if self.config.strategy == "fsdp" and self.distributed:
-            self.model = shard_model(unwrap_parallel_model(model), self.device, self.config.amp,
+            self.model = shard_model(unwrap_parallel_model(model), self.device, self.precision,
                                      self.config.fsdp_wrap, self.config.fsdp_kwargs)
         else:
             self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
@@ -685,7 +687,7 @@ class NNHandler:
                      scheduler=self.scheduler, scaler=self.scaler, loss_fn=self.loss_fn,
                      train_loader=self.train_loader, val_loader=self.val_loader, callbacks=self.callbacks,
                      device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size,
-                     strategy=self.config.strategy)
+                     precision=self.precision, strategy=self.config.strategy)
 
     def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
         return D.make_loader(data, loader_kwargs, self._parallel, shuffle=shuffle, seed=self.config.seed)

@@ -16,6 +16,7 @@ import torch
 
 from .._checks import check_bool, check_choice, check_int, check_number, invalid
 from ..errors import ConfigurationError
+from .precision import check_amp
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 FSDP_KEYS = ("reshard_after_forward", "cpu_offload")
@@ -40,7 +41,7 @@ class TrainingConfig:
     clip_grad_norm: float | None = None
     finite_check_every: int | None = None
     metrics: Mapping[str, Callable] = field(default_factory=dict)
-    amp: bool = False
+    amp: bool | str = False  # False, True, "bf16" or "fp16": precision.py says what it means on a device
     seed: int | None = None
     sync_batchnorm: bool = False
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -56,7 +57,7 @@ class TrainingConfig:
     @classmethod
     def from_arguments(
         cls, *, grad_accum_steps: int = 1, clip_grad_norm: float | None = None, finite_check_every: int | None = None,
-        metrics: Mapping[str, Callable] | None = None, amp: bool = False, seed: int | None = None,
+        metrics: Mapping[str, Callable] | None = None, amp: bool | str = False, seed: int | None = None,
         sync_batchnorm: bool = False, ddp_kwargs: Mapping[str, Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, resume: Resume = None, keep_last: int = 2,
         overwrite: bool = False, preemption_check_every: int | None = None, strategy: str = "auto",
@@ -80,6 +81,7 @@ class TrainingConfig:
         check_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         check_int("finite_check_every", finite_check_every, minimum=1, allow_none=True)
         metrics = _checked_metrics(metrics)
+        amp = check_amp(amp)
         unknown = sorted(set(ddp_kwargs or {}) - set(DDP_KEYS))
         if unknown:
             raise ConfigurationError(f"unknown ddp_kwargs {unknown}; allowed: {', '.join(DDP_KEYS)}")
@@ -87,7 +89,7 @@ class TrainingConfig:
         _check_strategy(strategy, fsdp_wrap, fsdp_kwargs, ddp_kwargs, sync_batchnorm)
         return cls(strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
                    grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
-                   finite_check_every=finite_check_every, metrics=metrics, amp=bool(amp), seed=seed,
+                   finite_check_every=finite_check_every, metrics=metrics, amp=amp, seed=seed,
                    sync_batchnorm=bool(sync_batchnorm), ddp_kwargs=dict(ddp_kwargs or {}), checkpoint_dir=directory,
                    resume=resume, keep_last=keep_last, overwrite=overwrite,
                    preemption_check_every=preemption_check_every)

@@ -215,7 +215,7 @@ class Loop:
         parts, config, state = self.parts, self.config, self.state
         model, loader, device, view = parts.model, parts.train_loader, parts.device, parts.view
         callbacks, k, metrics = parts.callbacks, config.grad_accum_steps, config.metrics
-        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, device, config.amp,
+        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, parts.precision,
                     config.clip_grad_norm, k)
         model.train()
         try:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from ..callbacks import TrainerView
 from ..utils.ddp import is_distributed
+from .precision import Precision
 
 
 @dataclass(eq=False)
@@ -26,7 +27,7 @@ class Parts:
     module: nn.Module  # the model itself
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
-    scaler: Any  # a GradScaler (fp16 on CUDA) or None
+    scaler: Any  # a GradScaler (fp16) or None
     loss_fn: Callable | None
     train_loader: DataLoader | None
     val_loader: DataLoader | None
@@ -35,6 +36,7 @@ class Parts:
     distributed: bool
     rank: int
     world_size: int
+    precision: Precision  # the autocast dtype, asked by the step, evaluation and sharding
     strategy: str = "ddp"  # "fsdp": sharded model (in a group) and sharded checkpoint directories
 
     @property

@@ -258,9 +258,9 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
     if not resume:
         return int(payload["epoch"])
+    _restore_scaler(parts, payload["scaler"], path)
     for name, part, target in (("optimizer", None if optimizer_loaded else payload["optimizer"], parts.optimizer),
-                               ("scheduler", payload["scheduler"], parts.scheduler),
-                               ("scaler", payload["scaler"], parts.scaler)):
+                               ("scheduler", payload["scheduler"], parts.scheduler)):
         if part is not None and target is None:
             log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
         elif part is not None:
@@ -292,6 +292,23 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
         state.resume_partial = {"batches": int(partial["batches"]), "rng": rngs[parts.rank],
                                 **partial["ranks"][parts.rank]}
     return state.epoch
+
+
+def _restore_scaler(parts: Parts, saved: Mapping[str, Any] | None, path) -> None:
+    """The loss scale follows the precision of the handler that loads, not of the one that wrote.
+
+    fp16 -> fp16 continues the saved scale. fp16 -> bf16 or full precision
+    drops it (nothing is scaled there). bf16 or full precision -> fp16 starts
+    a fresh scaler, which finds its scale in the first few steps (a step whose
+    gradients overflow is skipped, as at the start of any fp16 run).
+    """
+    if saved is not None and parts.scaler is not None:
+        parts.scaler.load_state_dict(saved)
+    elif saved is not None:
+        log.info("%s was trained with fp16 loss scaling; this handler runs %s and needs none: the scale is dropped",
+                 path, parts.precision.name)
+    elif parts.scaler is not None:
+        log.info("%s holds no loss scale (not trained in fp16): this fp16 handler starts a fresh GradScaler", path)
 
 
 def _check_resumable(parts: Parts, payload: dict[str, Any], path) -> None:

@@ -19,28 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import check_weights
 from ..errors import ConfigurationError
+from .precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
-    """bf16 parameters in forward/backward and fp32 gradient reduction with ``amp`` (fp16 where bf16 is missing).
-
-    Example:
-        >>> mixed_precision(torch.device("cpu"), True).param_dtype
-        torch.bfloat16
-        >>> mixed_precision(torch.device("cpu"), False).param_dtype is None
-        True
-    """
-    if not amp:
-        return MixedPrecisionPolicy()
-    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float16, reduce_dtype=torch.float32)
 
 
 def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
@@ -63,7 +49,7 @@ def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
     return [m for m in reversed(below_root) if isinstance(m, classes)]
 
 
-def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tuple,
+def shard_model(model: nn.Module, device: torch.device, precision: Precision, classes: tuple,
                 options: Mapping[str, Any]) -> nn.Module:
     """Move ``model`` to ``device`` and apply ``fully_shard`` to the policy's submodules, then to the root.
 
@@ -74,7 +60,7 @@ def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tupl
         raise ConfigurationError(f"the model is already wrapped ({type(model).__name__}); with strategy='fsdp' "
                                  f"pass the plain model: NNHandler applies fully_shard itself")
     offload = bool(options.get("cpu_offload", False))  # on a GPU run only: NNHandler checked
-    kwargs: dict[str, Any] = {"mp_policy": mixed_precision(device, amp),
+    kwargs: dict[str, Any] = {"mp_policy": precision.fsdp_policy(),
                               "reshard_after_forward": options.get("reshard_after_forward", True)}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
