@@ -22,5 +22,6 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     sharding.py    strategy="fsdp": fully_shard by a wrap policy, the precision's policy
     sharded_checkpoint.py  DCP checkpoint directories, committed atomically; export_model
     progress.py    the tqdm bar of an epoch
+    readout.py     host reads of device values: per step where free, else without waiting
     lifetime.py    trainers still holding a process group are closed at exit
 """
