@@ -42,12 +42,12 @@ from ._checks import check_int
 from ._training import data as D
 from ._training import evaluation, lifetime
 from ._training import resume as R
-from ._training.config import Resume, TrainingConfig, config_property, seed_everything
+from ._training.config import Resume, TrainingConfig, check_for_device, config_property, seed_everything
 from ._training.loop import Limits, Loop
-from ._training.parts import Parts
+from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
 from ._training.sharded_checkpoint import load_model
-from ._training.sharding import full_model_state, shard_model
+from ._training.sharding import full_model_state
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -57,7 +57,7 @@ from .utils._stall import current as stall_watchdog
 from .utils._stall import resolve_stall_timeout, set_timeout as set_stall_timeout
 from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
                         should_use_distributed)
-from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
+from .utils.parallel import MultiGPUConfig, unwrap_parallel_model
 
 __all__ = ["NNHandler"]
 
@@ -140,6 +140,8 @@ class NNHandler:
             root; by default every child of the model that holds parameters.
         fsdp_kwargs: ``reshard_after_forward`` (True: free the gathered parameters after forward) and
             ``cpu_offload`` (keep shards in CPU memory on a GPU run; False by default).
+        compile: ``torch.compile`` the model in place, in torch's order: before DDP wraps it; under FSDP each
+            sharded block before ``fully_shard``. Keys stay plain. ``compile_kwargs``: ``torch.compile``'s own.
         stall_timeout: Seconds a rank may wait in a collective for a missing rank before every rank raises
             :class:`~nn_handler.CollectiveStallError` with a report (``None``: no watchdog; ``"env"``:
             ``NN_HANDLER_STALL_TIMEOUT``, else 300 s); also retunes the watchdog of your own ``initialize_ddp()``.
@@ -200,13 +202,15 @@ class NNHandler:
         strategy: str = "auto",
         fsdp_wrap: Any = None,
         fsdp_kwargs: Mapping[str, Any] | None = None,
+        compile: bool = False,
+        compile_kwargs: Mapping[str, Any] | None = None,
     ):
         self.config = TrainingConfig.from_arguments(
             grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
             metrics=metrics, amp=amp, seed=seed, sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs,
             checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
             preemption_check_every=preemption_check_every, strategy=strategy, fsdp_wrap=fsdp_wrap,
-            fsdp_kwargs=fsdp_kwargs)
+            fsdp_kwargs=fsdp_kwargs, compile=compile, compile_kwargs=compile_kwargs)
         # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
@@ -225,14 +229,7 @@ class NNHandler:
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)
-        if sync_batchnorm and self.distributed and self.device.type != "cuda":
-            raise ConfigurationError(
-                f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
-                f"leave it False here: each rank then normalizes with its own batch statistics"
-            )
-        if self.config.fsdp_kwargs.get("cpu_offload") and self.device.type != "cuda":
-            raise ConfigurationError(f"fsdp_kwargs['cpu_offload']=True keeps the shards of a GPU run in CPU memory; "
-                                     f"this run is on {self.device.type}: leave it False")
+        check_for_device(self.config, self.device, self.distributed)
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
         self.precision = Precision.resolve(self.config.amp, self.device)  # the one decision of dtype and scaler
@@ -295,11 +292,7 @@ class NNHandler:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if self.config.strategy == "fsdp" and self.distributed:
-            self.model = shard_model(unwrap_parallel_model(model), self.device, self.precision,
-                                     self.config.fsdp_wrap, self.config.fsdp_kwargs)
-        else:
-            self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
+        self.model = wrap_model(model, self.config, self.device, self.precision, self._parallel, self.distributed)
         if self._optimizer_factory is not None:
             self.optimizer = self._build_optimizer(self._optimizer_factory)
         elif self.optimizer is not None:
@@ -578,7 +571,7 @@ class NNHandler:
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
         """
-        R.write_on_main(self._parts(), full_model_state(self.module), path, "model")
+        R.write_on_main(self._parts(), R.plain_keys(full_model_state(self.module)), path, "model")
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).

@@ -43,13 +43,29 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- writing
+_COMPILED = "_orig_mod."  # what torch.compile's wrapper (OptimizedModule) puts in front of its module's keys
+
+
+def plain_keys(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """``weights`` with torch.compile's ``_orig_mod.`` taken out of every key: the keys of the plain model.
+
+    NNHandler compiles in place, so its own weights have plain keys; this
+    also reads the ``state_dict`` of a model compiled elsewhere.
+
+    Example:
+        >>> list(plain_keys({"_orig_mod.0.weight": 1, "head._orig_mod.bias": 2}))
+        ['0.weight', 'head.bias']
+    """
+    return {key.replace(_COMPILED, ""): value for key, value in weights.items()}
+
+
 def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = None) -> dict[str, Any]:
     """Everything a resume needs to continue exactly, as plain tensors and values."""
     generator = sampler_generator(parts.train_loader)
     return {
         "format": FORMAT,
         "run": {"id": state.run_id, "seq": None},  # seq: the write number in checkpoint_dir
-        "model": parts.module.state_dict(),
+        "model": plain_keys(parts.module.state_dict()),
         "optimizer": parts.optimizer.state_dict() if parts.optimizer is not None else None,
         "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
@@ -255,6 +271,8 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     """
     if resume:
         _check_resumable(parts, payload, path)
+    if payload.get("model"):
+        payload = {**payload, "model": plain_keys(payload["model"])}  # written from a compiled model elsewhere
     optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
     if not resume:
         return int(payload["epoch"])

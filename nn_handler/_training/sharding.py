@@ -50,8 +50,13 @@ def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: Precision, classes: tuple,
-                options: Mapping[str, Any]) -> nn.Module:
+                options: Mapping[str, Any], compile_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     """Move ``model`` to ``device`` and apply ``fully_shard`` to the policy's submodules, then to the root.
+
+    With ``compile_kwargs``, each of those submodules is compiled in place
+    before it is sharded (the root alone when the policy names none), as
+    torchtitan does: the graphs are the blocks' own; FSDP2's hooks are
+    marked for Dynamo to skip, so they run eagerly around them.
 
     Raises:
         ConfigurationError: The model is already sharded or DDP-wrapped.
@@ -69,6 +74,9 @@ def shard_model(model: nn.Module, device: torch.device, precision: Precision, cl
     if classes and not targets:
         log.warning("fsdp_wrap: the model has no submodule of %s; only the whole model is sharded",
                     ", ".join(c.__name__ for c in classes))
+    if compile_kwargs is not None:
+        for module in targets or [model]:
+            module.compile(**compile_kwargs)
     for module in targets:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
