@@ -81,3 +81,20 @@ def test_compiled_and_plain_handlers_train_alike_and_load_each_others_checkpoint
     compiled.train(2, progress=False)
     assert weights(compiled.module) == pytest.approx(plain_2, **TOL)
     assert compiled.history["train_loss"] == pytest.approx(plain_loss, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_training_on_cuda_in_fp16_keeps_plain_keys(tmp_path):
+    from torch import nn
+
+    from nn_handler import NNHandler
+
+    handler = NNHandler(make_model(), torch.optim.AdamW, nn.MSELoss(), device="cuda", amp="fp16", compile=True,
+                        checkpoint_dir=tmp_path)
+    handler.set_train_loader(make_data(256), batch_size=32, pin_memory=True)
+    history = handler.train(3, progress=False)
+    assert history["train_loss"][-1] < history["train_loss"][0] and handler.scaler is not None
+    assert list(load_payload(tmp_path / "epoch-0003.ckpt")["model"]) == list(make_model().state_dict())
+    plain = NNHandler(make_model(), torch.optim.AdamW, nn.MSELoss(), device="cuda")  # fp32: the scale is dropped
+    assert plain.load_checkpoint(tmp_path / "epoch-0003.ckpt") == 3 and plain.scaler is None
