@@ -34,7 +34,6 @@ the GradScaler's).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import statistics
