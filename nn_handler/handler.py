@@ -42,11 +42,12 @@ from ._checks import check_int
 from ._training import data as D
 from ._training import evaluation, lifetime
 from ._training import resume as R
-from ._training.config import Resume, TrainingConfig, config_property, seed_everything
+from ._training.config import Resume, TrainingConfig, check_for_device, config_property, seed_everything
 from ._training.loop import Limits, Loop
-from ._training.parts import Parts
+from ._training.parts import Parts, wrap_model
+from ._training.precision import Precision
 from ._training.sharded_checkpoint import load_model
-from ._training.sharding import full_model_state, shard_model
+from ._training.sharding import full_model_state
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -56,7 +57,7 @@ from .utils._stall import current as stall_watchdog
 from .utils._stall import resolve_stall_timeout, set_timeout as set_stall_timeout
 from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
                         should_use_distributed)
-from .utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
+from .utils.parallel import MultiGPUConfig, unwrap_parallel_model
 
 __all__ = ["NNHandler"]
 
@@ -86,7 +87,8 @@ class NNHandler:
             gets ``val_loss``, else ``train_loss``).
         metrics: ``{"name": fn(outputs, targets) -> float}``; recorded as
             ``train_<name>`` and ``val_<name>``, averaged per sample.
-        amp: Autocast: bf16 on CPU, fp16 with a ``GradScaler`` on CUDA.
+        amp: Mixed precision: ``"bf16"``, ``"fp16"`` (with a ``GradScaler``), ``True`` (bf16 where
+            the device has it: the CPU, a CUDA GPU reporting bf16 support; else fp16) or ``False``.
         grad_accum_steps: Micro-batches per optimizer step (the loss is divided
             by it). Under DDP, non-final micro-steps skip the all-reduce
             (``no_sync``). The last group of an epoch may be shorter.
@@ -130,14 +132,16 @@ class NNHandler:
             optimizer steps (a one-int collective); by default about once a
             second of training, whatever the step time (see :mod:`nn_handler._training.preemption`).
         strategy: ``"auto"`` or ``"ddp"``: every rank holds the whole model (DDP). ``"fsdp"``: FSDP2 (``fully_shard``)
-            shards parameters, gradients and optimizer state over the ranks; ``amp`` becomes a
-            ``MixedPrecisionPolicy`` (bf16 parameters, fp32 gradient reduction); checkpoints are directories
+            shards parameters, gradients and optimizer state over the ranks; ``amp`` also sets its
+            ``MixedPrecisionPolicy`` (parameters in that dtype, fp32 gradient reduction); checkpoints are directories
             written by every rank with ``torch.distributed.checkpoint`` that resume on any number of ranks (see
             :meth:`export_model` for one file of weights). One process (no group) trains the plain model.
         fsdp_wrap: Module classes (e.g. ``{Block}``) whose instances are sharded each on their own, then the
             root; by default every child of the model that holds parameters.
         fsdp_kwargs: ``reshard_after_forward`` (True: free the gathered parameters after forward) and
             ``cpu_offload`` (keep shards in CPU memory on a GPU run; False by default).
+        compile: ``torch.compile`` the model in place, in torch's order: before DDP wraps it; under FSDP each
+            sharded block before ``fully_shard``. Keys stay plain. ``compile_kwargs``: ``torch.compile``'s own.
         stall_timeout: Seconds a rank may wait in a collective for a missing rank before every rank raises
             :class:`~nn_handler.CollectiveStallError` with a report (``None``: no watchdog; ``"env"``:
             ``NN_HANDLER_STALL_TIMEOUT``, else 300 s); also retunes the watchdog of your own ``initialize_ddp()``.
@@ -179,7 +183,7 @@ class NNHandler:
         use_distributed: bool | None = None,
         scheduler: Any = None,
         metrics: Mapping[str, Callable] | None = None,
-        amp: bool = False,
+        amp: bool | str = False,
         grad_accum_steps: int = 1,
         clip_grad_norm: float | None = None,
         sync_batchnorm: bool = False,
@@ -198,13 +202,15 @@ class NNHandler:
         strategy: str = "auto",
         fsdp_wrap: Any = None,
         fsdp_kwargs: Mapping[str, Any] | None = None,
+        compile: bool = False,
+        compile_kwargs: Mapping[str, Any] | None = None,
     ):
         self.config = TrainingConfig.from_arguments(
             grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
             metrics=metrics, amp=amp, seed=seed, sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs,
             checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
             preemption_check_every=preemption_check_every, strategy=strategy, fsdp_wrap=fsdp_wrap,
-            fsdp_kwargs=fsdp_kwargs)
+            fsdp_kwargs=fsdp_kwargs, compile=compile, compile_kwargs=compile_kwargs)
         # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
@@ -223,18 +229,11 @@ class NNHandler:
         self.rank = get_rank() if self.distributed else 0
         self.world_size = get_world_size() if self.distributed else 1
         self.device = resolve_device(device)
-        if sync_batchnorm and self.distributed and self.device.type != "cuda":
-            raise ConfigurationError(
-                f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {self.device.type}); "
-                f"leave it False here: each rank then normalizes with its own batch statistics"
-            )
-        if self.config.fsdp_kwargs.get("cpu_offload") and self.device.type != "cuda":
-            raise ConfigurationError(f"fsdp_kwargs['cpu_offload']=True keeps the shards of a GPU run in CPU memory; "
-                                     f"this run is on {self.device.type}: leave it False")
+        check_for_device(self.config, self.device, self.distributed)
         self._parallel = MultiGPUConfig(mode="distributed" if self.distributed else "none",
                                         sync_bn=self.config.sync_batchnorm, **self.config.ddp_kwargs)
-        # fp16 needs loss scaling; bf16 (CPU autocast) has fp32's range and does not.
-        self.scaler = torch.amp.GradScaler("cuda") if self.config.amp and self.device.type == "cuda" else None
+        self.precision = Precision.resolve(self.config.amp, self.device)  # the one decision of dtype and scaler
+        self.scaler = self.precision.make_scaler()
 
         self.callbacks: list[Callback] = []
         for cb in callbacks or []:
@@ -293,11 +292,7 @@ class NNHandler:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if self.config.strategy == "fsdp" and self.distributed:
-            self.model = shard_model(unwrap_parallel_model(model), self.device, self.config.amp,
-                                     self.config.fsdp_wrap, self.config.fsdp_kwargs)
-        else:
-            self.model = prepare_model(unwrap_parallel_model(model), self._parallel, device=self.device)
+        self.model = wrap_model(model, self.config, self.device, self.precision, self._parallel, self.distributed)
         if self._optimizer_factory is not None:
             self.optimizer = self._build_optimizer(self._optimizer_factory)
         elif self.optimizer is not None:
@@ -576,7 +571,7 @@ class NNHandler:
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
         """
-        R.write_on_main(self._parts(), full_model_state(self.module), path, "model")
+        R.write_on_main(self._parts(), R.plain_keys(full_model_state(self.module)), path, "model")
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
@@ -685,7 +680,7 @@ class NNHandler:
                      scheduler=self.scheduler, scaler=self.scaler, loss_fn=self.loss_fn,
                      train_loader=self.train_loader, val_loader=self.val_loader, callbacks=self.callbacks,
                      device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size,
-                     strategy=self.config.strategy)
+                     precision=self.precision, strategy=self.config.strategy)
 
     def _make_loader(self, data: Any, loader_kwargs: dict, *, shuffle: bool) -> DataLoader:
         return D.make_loader(data, loader_kwargs, self._parallel, shuffle=shuffle, seed=self.config.seed)

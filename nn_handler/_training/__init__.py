@@ -11,15 +11,17 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     state.py       epoch, global step, stop flag, History, run identity, resume marker
     parts.py       the objects one call works on
     data.py        loaders, samplers, batch helpers, the mid-epoch replay
-    step.py        autocast, one optimizer step (scaler, clipping)
+    precision.py   amp: the autocast dtype, the GradScaler, FSDP's MixedPrecisionPolicy (decided once)
+    step.py        one optimizer step (autocast, scaler, clipping)
     loop.py        epochs, hooks, accumulation and no_sync, finite checks, the preemption stop
     metrics.py     the epoch's sums, one all-reduce, non-finite losses
     evaluation.py  evaluate and predict, every sample exactly once
     resume.py      what a checkpoint holds, and how a run starts and resumes
     uneven.py      ranks whose data runs out at different steps: one clear error
     preemption.py  SIGTERM (or max_time) -> a checkpoint and a clean exit
-    sharding.py    strategy="fsdp": fully_shard by a wrap policy, mixed precision
+    sharding.py    strategy="fsdp": fully_shard by a wrap policy, the precision's policy
     sharded_checkpoint.py  DCP checkpoint directories, committed atomically; export_model
     progress.py    the tqdm bar of an epoch
+    readout.py     host reads of device values: per step where free, else without waiting
     lifetime.py    trainers still holding a process group are closed at exit
 """

@@ -6,6 +6,7 @@ documents each knob.
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import torch
 
 from .._checks import check_bool, check_choice, check_int, check_number, invalid
 from ..errors import ConfigurationError
+from .precision import check_amp
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 FSDP_KEYS = ("reshard_after_forward", "cpu_offload")
@@ -40,7 +42,7 @@ class TrainingConfig:
     clip_grad_norm: float | None = None
     finite_check_every: int | None = None
     metrics: Mapping[str, Callable] = field(default_factory=dict)
-    amp: bool = False
+    amp: bool | str = False  # False, True, "bf16" or "fp16": precision.py says what it means on a device
     seed: int | None = None
     sync_batchnorm: bool = False
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -52,15 +54,18 @@ class TrainingConfig:
     strategy: str = "ddp"  # "auto" resolves to "ddp"
     fsdp_wrap: tuple = ()  # module classes to shard on their own; () = every child with parameters
     fsdp_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    compile: bool = False
+    compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_arguments(
         cls, *, grad_accum_steps: int = 1, clip_grad_norm: float | None = None, finite_check_every: int | None = None,
-        metrics: Mapping[str, Callable] | None = None, amp: bool = False, seed: int | None = None,
+        metrics: Mapping[str, Callable] | None = None, amp: bool | str = False, seed: int | None = None,
         sync_batchnorm: bool = False, ddp_kwargs: Mapping[str, Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None, resume: Resume = None, keep_last: int = 2,
         overwrite: bool = False, preemption_check_every: int | None = None, strategy: str = "auto",
-        fsdp_wrap: Any = None, fsdp_kwargs: Mapping[str, Any] | None = None,
+        fsdp_wrap: Any = None, fsdp_kwargs: Mapping[str, Any] | None = None, compile: bool = False,
+        compile_kwargs: Mapping[str, Any] | None = None,
     ) -> "TrainingConfig":
         """Check every knob (the first mistake raises :class:`~nn_handler.ConfigurationError`) and freeze them."""
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
@@ -80,14 +85,16 @@ class TrainingConfig:
         check_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         check_int("finite_check_every", finite_check_every, minimum=1, allow_none=True)
         metrics = _checked_metrics(metrics)
+        amp = check_amp(amp)
         unknown = sorted(set(ddp_kwargs or {}) - set(DDP_KEYS))
         if unknown:
             raise ConfigurationError(f"unknown ddp_kwargs {unknown}; allowed: {', '.join(DDP_KEYS)}")
         strategy = "ddp" if check_choice("strategy", strategy, STRATEGIES) == "auto" else strategy
         _check_strategy(strategy, fsdp_wrap, fsdp_kwargs, ddp_kwargs, sync_batchnorm)
-        return cls(strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
+        compile_kwargs = _checked_compile(compile, compile_kwargs)
+        return cls(compile=compile, compile_kwargs=compile_kwargs, strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
                    grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
-                   finite_check_every=finite_check_every, metrics=metrics, amp=bool(amp), seed=seed,
+                   finite_check_every=finite_check_every, metrics=metrics, amp=amp, seed=seed,
                    sync_batchnorm=bool(sync_batchnorm), ddp_kwargs=dict(ddp_kwargs or {}), checkpoint_dir=directory,
                    resume=resume, keep_last=keep_last, overwrite=overwrite,
                    preemption_check_every=preemption_check_every)
@@ -114,6 +121,34 @@ def _check_strategy(strategy: str, wrap: Any, fsdp_kwargs: Any, ddp_kwargs: Any,
     if not isinstance(reshard, bool):
         check_int("fsdp_kwargs['reshard_after_forward']", reshard, minimum=1)
     check_bool("fsdp_kwargs['cpu_offload']", fsdp_kwargs.get("cpu_offload", False))
+
+
+def _checked_compile(compile: Any, kwargs: Any) -> dict[str, Any]:
+    """``compile_kwargs`` checked against ``torch.compile``'s own keywords (``model``: NNHandler's to pass)."""
+    check_bool("compile", compile)
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise invalid("compile_kwargs", "a dict of torch.compile keywords (e.g. {'mode': 'max-autotune'})", kwargs)
+    if kwargs and not compile:
+        raise ConfigurationError("compile_kwargs apply with compile=True: pass compile=True, or drop compile_kwargs")
+    allowed = sorted(set(inspect.signature(torch.compile).parameters) - {"model"})
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ConfigurationError(f"unknown compile_kwargs {unknown}; torch.compile takes {', '.join(allowed)}")
+    return dict(kwargs)
+
+
+def check_for_device(config: "TrainingConfig", device: torch.device, distributed: bool) -> None:
+    """The knobs that only some devices can honour, checked once the device is known."""
+    if config.sync_batchnorm and distributed and device.type != "cuda":
+        raise ConfigurationError(
+            f"sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on {device.type}); "
+            f"leave it False here: each rank then normalizes with its own batch statistics"
+        )
+    if config.fsdp_kwargs.get("cpu_offload") and device.type != "cuda":
+        raise ConfigurationError(f"fsdp_kwargs['cpu_offload']=True keeps the shards of a GPU run in CPU memory; "
+                                 f"this run is on {device.type}: leave it False")
 
 
 def _wrap_classes(wrap: Any) -> tuple:

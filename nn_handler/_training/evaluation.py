@@ -25,7 +25,6 @@ from . import metrics as M
 from .config import TrainingConfig
 from .parts import Parts
 from .sharding import is_sharded
-from .step import autocast_context
 
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
@@ -44,7 +43,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     try:
         # The unwrapped module: DDP's forward is not needed without
         # gradients, and avoiding it keeps evaluation free of collectives.
-        with torch.no_grad(), autocast_context(parts.device, config.amp):
+        with torch.no_grad(), parts.precision.autocast():
             for batch in loader:
                 inputs, targets = D.split_batch(to_device(batch, parts.device))
                 if targets is None:
@@ -88,7 +87,7 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     module.eval()
     outputs = []
     try:
-        with torch.no_grad(), autocast_context(parts.device, config.amp):
+        with torch.no_grad(), parts.precision.autocast():
             for batch in loader:
                 inputs, _ = D.split_batch(to_device(batch, parts.device))
                 out = module(inputs)
@@ -122,7 +121,7 @@ def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch
     if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
     return parallel_predict(InputsOnly(parts.module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
-                            device_ids=device_ids, autocast=config.amp)
+                            device_ids=device_ids, autocast=parts.precision.dtype or False)
 
 
 class InputsOnly(nn.Module):

@@ -3,8 +3,10 @@
 Collectives per epoch, beyond DDP's own gradient all-reduce: one all-reduce
 of the epoch's sums (losses, metrics, sample counts, timings, memory, the
 first non-finite step), one for the stop flag, and, with validation, nothing
-more. Per training step the loop makes no collective and, in a distributed
-run, reads no value back from the device. The flow of :meth:`Loop.run`::
+more. Per training step the loop makes no collective and, on a GPU or in a
+distributed run, reads no value back from the device and does not wait for
+it (:mod:`.readout`): losses and metric values stay on the device until the
+epoch's sums. The flow of :meth:`Loop.run`::
 
     on_train_begin
     per epoch:   on_epoch_begin -> batches (on_batch_begin, Step.forward/backward,
@@ -44,6 +46,7 @@ from .evaluation import eval_sums
 from .parts import Parts
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
+from .readout import HostReads
 from .resume import save_run_checkpoint
 from .sharding import can_pause_sync, gradient_sync_paused
 from .state import TrainingState
@@ -215,7 +218,7 @@ class Loop:
         parts, config, state = self.parts, self.config, self.state
         model, loader, device, view = parts.model, parts.train_loader, parts.device, parts.view
         callbacks, k, metrics = parts.callbacks, config.grad_accum_steps, config.metrics
-        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, device, config.amp,
+        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, parts.precision,
                     config.clip_grad_norm, k)
         model.train()
         try:
@@ -230,8 +233,9 @@ class Loop:
         no_sync = can_pause_sync(model) and k > 1 and n_batches is not None
         # Checking a loss on the host costs a CPU-GPU sync: by default only
         # where that is free (a single CPU process); elsewhere at epoch end.
+        reads = HostReads.for_device(device)
         check_each_step = not parts.distributed and (
-            config.finite_check_every == 1 or (config.finite_check_every is None and device.type == "cpu"))
+            config.finite_check_every == 1 or (config.finite_check_every is None and reads.free))
         check_every = None if check_each_step else config.finite_check_every
         max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
@@ -266,7 +270,7 @@ class Loop:
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
                         cb.on_batch_begin(view, i)
-                    inputs, targets = D.split_batch(to_device(batch, device))
+                    inputs, targets = D.split_batch(to_device(batch, device, reads.non_blocking))
                     if targets is None:
                         raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
                     micro += 1

@@ -9,11 +9,17 @@ import time
 
 import torch
 
-REFRESH_S = 0.5  # how often the bar reads the loss back from the device (a sync on a GPU)
+from .readout import PendingValue
+
+REFRESH_S = 0.5  # how often the bar refreshes its loss and rate
 
 
 class EpochBar:
     """One bar per epoch; :meth:`advance` after each batch, :meth:`close` at the end.
+
+    The loss is read without waiting for the GPU: each refresh starts a
+    non-blocking copy of the recent mean loss and shows the newest copy that
+    has landed (on the CPU, at once).
 
     Example:
         >>> bar = EpochBar(1, 2, total=3, done=0, world_size=1, disable=True)
@@ -32,16 +38,29 @@ class EpochBar:
             self._bar.update(done)  # a resumed epoch starts where its checkpoint was written
         self._world_size = world_size
         self._mark, self._time = done, time.perf_counter()
+        self._pending: PendingValue | None = None
 
     def advance(self, losses: list[torch.Tensor], sizes: list[int]) -> None:
         """One batch more; every :data:`REFRESH_S` seconds, the mean loss and samples/s since the last refresh."""
         self._bar.update(1)
         now = time.perf_counter()
         if now - self._time >= REFRESH_S:
-            recent = torch.stack(losses[self._mark:]).float().mean().item()
+            loss = self._landed()  # the previous window's, on a GPU
+            if self._pending is None:  # else that copy is still on its way: no second one
+                self._pending = PendingValue(torch.stack(losses[self._mark:]).float().mean())
+                loss = self._landed() if self._pending.ready() else loss  # on the CPU: this window's
             rate = sum(sizes[self._mark:]) * self._world_size / (now - self._time)
-            self._bar.set_postfix(loss=f"{recent:.4g}", samples_s=f"{rate:.0f}", refresh=False)
+            postfix = {"samples_s": f"{rate:.0f}"}
+            if loss is not None:
+                postfix = {"loss": f"{loss:.4g}", **postfix}
+            self._bar.set_postfix(postfix, refresh=False)
             self._mark, self._time = len(losses), now
+
+    def _landed(self) -> float | None:
+        if self._pending is None or not self._pending.ready():
+            return None
+        value, self._pending = self._pending.get(), None
+        return value
 
     def close(self) -> None:
         self._bar.close()

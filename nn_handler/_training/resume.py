@@ -43,13 +43,29 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- writing
+_COMPILED = "_orig_mod."  # what torch.compile's wrapper (OptimizedModule) puts in front of its module's keys
+
+
+def plain_keys(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """``weights`` with torch.compile's ``_orig_mod.`` taken out of every key: the keys of the plain model.
+
+    NNHandler compiles in place, so its own weights have plain keys; this
+    also reads the ``state_dict`` of a model compiled elsewhere.
+
+    Example:
+        >>> list(plain_keys({"_orig_mod.0.weight": 1, "head._orig_mod.bias": 2}))
+        ['0.weight', 'head.bias']
+    """
+    return {key.replace(_COMPILED, ""): value for key, value in weights.items()}
+
+
 def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = None) -> dict[str, Any]:
     """Everything a resume needs to continue exactly, as plain tensors and values."""
     generator = sampler_generator(parts.train_loader)
     return {
         "format": FORMAT,
         "run": {"id": state.run_id, "seq": None},  # seq: the write number in checkpoint_dir
-        "model": parts.module.state_dict(),
+        "model": plain_keys(parts.module.state_dict()),
         "optimizer": parts.optimizer.state_dict() if parts.optimizer is not None else None,
         "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
@@ -255,12 +271,14 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     """
     if resume:
         _check_resumable(parts, payload, path)
+    if payload.get("model"):
+        payload = {**payload, "model": plain_keys(payload["model"])}  # written from a compiled model elsewhere
     optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
     if not resume:
         return int(payload["epoch"])
+    _restore_scaler(parts, payload["scaler"], path)
     for name, part, target in (("optimizer", None if optimizer_loaded else payload["optimizer"], parts.optimizer),
-                               ("scheduler", payload["scheduler"], parts.scheduler),
-                               ("scaler", payload["scaler"], parts.scaler)):
+                               ("scheduler", payload["scheduler"], parts.scheduler)):
         if part is not None and target is None:
             log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
         elif part is not None:
@@ -292,6 +310,23 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
         state.resume_partial = {"batches": int(partial["batches"]), "rng": rngs[parts.rank],
                                 **partial["ranks"][parts.rank]}
     return state.epoch
+
+
+def _restore_scaler(parts: Parts, saved: Mapping[str, Any] | None, path) -> None:
+    """The loss scale follows the precision of the handler that loads, not of the one that wrote.
+
+    fp16 -> fp16 continues the saved scale. fp16 -> bf16 or full precision
+    drops it (nothing is scaled there). bf16 or full precision -> fp16 starts
+    a fresh scaler, which finds its scale in the first few steps (a step whose
+    gradients overflow is skipped, as at the start of any fp16 run).
+    """
+    if saved is not None and parts.scaler is not None:
+        parts.scaler.load_state_dict(saved)
+    elif saved is not None:
+        log.info("%s was trained with fp16 loss scaling; this handler runs %s and needs none: the scale is dropped",
+                 path, parts.precision.name)
+    elif parts.scaler is not None:
+        log.info("%s holds no loss scale (not trained in fp16): this fp16 handler starts a fresh GradScaler", path)
 
 
 def _check_resumable(parts: Parts, payload: dict[str, Any], path) -> None:

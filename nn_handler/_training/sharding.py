@@ -19,28 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import check_weights
 from ..errors import ConfigurationError
+from .precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-def mixed_precision(device: torch.device, amp: bool) -> MixedPrecisionPolicy:
-    """bf16 parameters in forward/backward and fp32 gradient reduction with ``amp`` (fp16 where bf16 is missing).
-
-    Example:
-        >>> mixed_precision(torch.device("cpu"), True).param_dtype
-        torch.bfloat16
-        >>> mixed_precision(torch.device("cpu"), False).param_dtype is None
-        True
-    """
-    if not amp:
-        return MixedPrecisionPolicy()
-    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float16, reduce_dtype=torch.float32)
 
 
 def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
@@ -63,9 +49,14 @@ def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
     return [m for m in reversed(below_root) if isinstance(m, classes)]
 
 
-def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tuple,
-                options: Mapping[str, Any]) -> nn.Module:
+def shard_model(model: nn.Module, device: torch.device, precision: Precision, classes: tuple,
+                options: Mapping[str, Any], compile_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     """Move ``model`` to ``device`` and apply ``fully_shard`` to the policy's submodules, then to the root.
+
+    With ``compile_kwargs``, each of those submodules is compiled in place
+    before it is sharded (the root alone when the policy names none), as
+    torchtitan does: the graphs are the blocks' own; FSDP2's hooks are
+    marked for Dynamo to skip, so they run eagerly around them.
 
     Raises:
         ConfigurationError: The model is already sharded or DDP-wrapped.
@@ -74,7 +65,7 @@ def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tupl
         raise ConfigurationError(f"the model is already wrapped ({type(model).__name__}); with strategy='fsdp' "
                                  f"pass the plain model: NNHandler applies fully_shard itself")
     offload = bool(options.get("cpu_offload", False))  # on a GPU run only: NNHandler checked
-    kwargs: dict[str, Any] = {"mp_policy": mixed_precision(device, amp),
+    kwargs: dict[str, Any] = {"mp_policy": precision.fsdp_policy(),
                               "reshard_after_forward": options.get("reshard_after_forward", True)}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -83,6 +74,9 @@ def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tupl
     if classes and not targets:
         log.warning("fsdp_wrap: the model has no submodule of %s; only the whole model is sharded",
                     ", ".join(c.__name__ for c in classes))
+    if compile_kwargs is not None:
+        for module in targets or [model]:
+            module.compile(**compile_kwargs)
     for module in targets:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)

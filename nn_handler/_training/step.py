@@ -9,21 +9,13 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..errors import ConfigurationError
-
-
-def autocast_context(device: torch.device, enabled: bool):
-    """bf16 autocast on CPU, fp16 on CUDA; a no-op context when disabled."""
-    if not enabled:
-        return contextlib.nullcontext()
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+from .precision import Precision
 
 
 class Step:
@@ -34,22 +26,21 @@ class Step:
         module: The model itself (its trainable parameters are clipped).
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``.
         optimizer: The optimizer.
-        scaler: A ``GradScaler`` (fp16 on CUDA) or None.
-        device: Where the model runs (chooses the autocast dtype).
-        amp: Autocast on or off.
+        scaler: A ``GradScaler`` (fp16) or None.
+        precision: The autocast dtype (or none).
         clip_grad_norm: Clip the gradients' total norm to this before each step, or None.
         accumulate: Micro-batches per optimizer step; the loss is divided by it.
     """
 
     def __init__(self, model: nn.Module, module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                 scaler: Any, device: torch.device, amp: bool, clip_grad_norm: float | None, accumulate: int):
+                 scaler: Any, precision: Precision, clip_grad_norm: float | None, accumulate: int):
         self.model, self.module, self.loss_fn, self.optimizer = model, module, loss_fn, optimizer
-        self.scaler, self.device, self.amp = scaler, device, amp
+        self.scaler, self.precision = scaler, precision
         self.clip_grad_norm, self.accumulate = clip_grad_norm, accumulate
 
     def forward(self, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor]:
         """``(outputs, loss)`` of a micro-batch under autocast; the loss checked to be a scalar."""
-        with autocast_context(self.device, self.amp):
+        with self.precision.autocast():
             outputs = self.model(inputs)
             loss = self.loss_fn(outputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from nn_handler import NNHandler
-from nn_handler._training.sharding import mixed_precision, wrap_targets
+from nn_handler._training.precision import Precision
+from nn_handler._training.sharding import wrap_targets
 from nn_handler.checkpoint import SHARDED_META, list_run_checkpoints, load_payload
 from nn_handler.errors import CheckpointError, CheckpointMismatchError, ConfigurationError
 from scripts.handler_case import make_data, make_handler, make_model
@@ -63,10 +64,11 @@ def test_wrap_policy_default_is_the_children_with_parameters_and_classes_go_inne
     assert targets.index(model[2][0].inner) < targets.index(model[2][0])
 
 
-def test_mixed_precision_follows_amp():
-    policy = mixed_precision(torch.device("cpu"), True)
-    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert mixed_precision(torch.device("cpu"), False).param_dtype is None
+@pytest.mark.parametrize("amp, dtype", [(True, torch.bfloat16), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_follows_amp(amp, dtype):
+    policy = Precision.resolve(amp, torch.device("cpu")).fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32)
+    assert Precision.resolve(False, torch.device("cpu")).fsdp_policy().param_dtype is None
 
 
 def test_one_process_trains_the_plain_model_and_writes_directories_that_resume(tmp_path):

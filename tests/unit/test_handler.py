@@ -313,12 +313,12 @@ def test_plot_history_before_training_is_an_error(tmp_path):
 
 
 @pytest.mark.gpu
-def test_amp_on_cuda_uses_float16_with_a_grad_scaler(data):
+def test_amp_fp16_on_cuda_uses_float16_with_a_grad_scaler(data):
     X, y, _, _ = data
     model = make_model()
     seen = []
     model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
-    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, amp=True,
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, amp="fp16",
                         device="cuda", clip_grad_norm=1.0)
     handler.set_train_loader((X, y), batch_size=BATCH)
     history = handler.train(3, progress=False)
@@ -348,8 +348,8 @@ def test_non_finite_loss_on_cuda_is_caught_at_epoch_end_without_per_step_sync(da
 
     X, y, _, _ = data
     y = y.clone()
-    y[BATCH * 2] = float("nan")  # third batch
+    y[BATCH * 2] = float("nan")  # third batch, unshuffled (a shuffled loader put it in batch 10)
     handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cuda")
-    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.set_train_loader((X, y), batch_size=BATCH, shuffle=False)
     with pytest.raises(NonFiniteLossError, match="step 2"):
         handler.train(1, progress=False)

@@ -41,6 +41,8 @@ NOT_IN_A_WORKER = {
     "nn_handler._training.resume",
     "nn_handler._training.preemption",
     "nn_handler._training.progress",
+    "nn_handler._training.precision",
+    "nn_handler._training.readout",
     "nn_handler.utils._models.wrap",
     "nn_handler.utils._models.data_parallel",
     "nn_handler.utils._models.predict",
