@@ -247,3 +247,64 @@ def test_fsdp_on_one_gpu_rank_trains_with_amp_and_exports(tmp_path):
     loss = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
     assert loss[-1] < loss[0]
     make_model().load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
+
+
+# ----------------------------------------------------------------------------- overwrite and damaged directories
+def _overwrite(rank, root):
+    import nn_handler.checkpoint as C
+
+    root = Path(root)
+    build(PER_RANK, checkpoint_dir=root / "a").train(1, progress=False)  # another run's directory
+    mine = build(PER_RANK, checkpoint_dir=root / "a", overwrite=True)
+    mine.train(2, progress=False)
+    runs = {C.read_run_info(p)[0] for p in C.list_run_checkpoints(root / "a")}
+    # A deletion that fails on rank 0 fails every rank, at once.
+    build(PER_RANK, checkpoint_dir=root / "b").train(1, progress=False)
+    if rank == 0:
+        def refuse(path, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        C.shutil.rmtree = refuse
+    try:
+        build(PER_RANK, checkpoint_dir=root / "b", overwrite=True).train(1, progress=False)
+        failure = None
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    return {"names": sorted(os.listdir(root / "a")), "runs": runs, "mine": mine._state.run_id, "failure": failure}
+
+
+def test_overwrite_deletes_sharded_checkpoints_and_every_rank_gets_the_same_outcome(tmp_path):
+    results = _check(run_distributed(_overwrite, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    for r in results:
+        assert r["names"] == ["epoch-0001.ckpt", "epoch-0002.ckpt"] and r["runs"] == {results[0]["mine"]}
+    assert results[0]["failure"].startswith("PermissionError") and "Permission denied" in results[0]["failure"]
+    assert results[1]["failure"].startswith("CheckpointError: rank 0 could not delete another run's checkpoints")
+
+
+def _damaged_shard(rank, root):
+    from nn_handler import CheckpointError
+
+    root = Path(root)
+    build(PER_RANK, checkpoint_dir=root, keep_last=3).train(2, progress=False)
+    if rank == 0:  # before the resume plan, which rank 0 makes for every rank
+        (root / "epoch-0002.ckpt" / "__1_0.distcp").unlink()
+        shutil.copytree(root / "epoch-0002.ckpt", root.parent / "damaged.ckpt")  # the resumed run replaces it
+    resumed = build(PER_RANK, checkpoint_dir=root, keep_last=3, resume="auto")
+    resumed.train(3, progress=False)
+    straight = build(PER_RANK)
+    straight.train(3, progress=False)
+    try:
+        build(PER_RANK).load_checkpoint(root.parent / "damaged.ckpt")
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"resumed": outcome(resumed), "straight": outcome(straight), "error": error}
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_skipped_by_every_rank(tmp_path):
+    results = _check(run_distributed(_damaged_shard, 2, args=(str(tmp_path / "run"),), timeout=TIMEOUT))
+    for r in results:
+        assert r["error"] is not None and "damaged.ckpt is incomplete: __1_0.distcp is missing" in r["error"]
+        for key in ("epoch", "train_loss", "val_loss", "train_mae", "val_mae", "lr"):  # resumed from epoch 1
+            assert r["resumed"]["history"][key] == r["straight"]["history"][key], key
+        torch.testing.assert_close(r["resumed"]["weights"], r["straight"]["weights"], rtol=0, atol=0)
