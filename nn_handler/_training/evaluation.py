@@ -22,6 +22,7 @@ from ..utils._collectives import gather, side_group
 from ..utils.parallel import parallel_predict
 from . import data as D
 from . import metrics as M
+from .buffers import sync_buffers
 from .config import TrainingConfig
 from .parts import Parts
 from .sharding import is_sharded
@@ -33,6 +34,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     if parts.loss_fn is None:
         raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
     module, loss_fn, metrics = parts.module, parts.loss_fn, config.metrics
+    sync_buffers(parts, "NNHandler.evaluate")  # rank 0's running statistics, as in the exported model
     was_training = module.training
     module.eval()
     real = D.real_sample_count(loader)
@@ -84,6 +86,7 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     sampler = loader.sampler
     real = D.real_sample_count(loader)
     module = parts.module
+    sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
     outputs = []

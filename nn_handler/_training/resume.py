@@ -35,6 +35,7 @@ from ..checkpoint import (
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
 from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
 from . import sharded_checkpoint
+from .buffers import sync_buffers
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import Parts
@@ -69,6 +70,7 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
 def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
          seq: int | None = None) -> None:
     """Gather every rank's random state (and mid-epoch part), then write the checkpoint from rank 0."""
+    sync_buffers(parts, "NNHandler.save_checkpoint")  # a sharded checkpoint would hold whichever rank's DCP keeps
     mine = (capture_rng_state(), partial)
     everyone = [mine]
     if parts.in_group:

@@ -249,6 +249,67 @@ def test_fsdp_on_one_gpu_rank_trains_with_amp_and_exports(tmp_path):
     make_model().load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
 
 
+# ----------------------------------------------------------------------------- buffers: rank 0's, as under DDP
+def bn_model(seed=0):
+    from scripts.handler_case import IN
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _bn_handler(strategy, **kwargs):
+    from nn_handler import NNHandler
+    from scripts.handler_case import make_data
+
+    handler = NNHandler(bn_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05, "momentum": 0.9},
+                        device="cpu", strategy=strategy, **kwargs)
+    handler.set_train_loader(make_data(64), batch_size=PER_RANK, shuffle=False)  # the ranks' batches differ
+    handler.set_val_loader(make_data(N_VAL, seed=1), batch_size=9)
+    return handler
+
+
+def _batchnorm(rank, root):
+    from scripts.handler_case import make_data
+
+    Xv, yv = make_data(N_VAL, seed=1)
+    out = {}
+    for strategy in ("fsdp", "ddp"):
+        straight = _bn_handler(strategy)
+        straight.train(4, progress=False)
+        straight.export_model(Path(root) / f"{strategy}.pt")
+        _bn_handler(strategy, checkpoint_dir=Path(root) / strategy).train(2, progress=False)
+        resumed = _bn_handler(strategy, checkpoint_dir=Path(root) / strategy, resume="auto")
+        resumed.train(4, progress=False)
+        out[strategy] = {"val_loss": straight.history["val_loss"], "resumed": resumed.history["val_loss"],
+                         "predict": straight.predict(Xv), "eval": straight.evaluate((Xv, yv))["loss"],
+                         "resumed_predict": resumed.predict(Xv)}
+    return out
+
+
+def test_buffers_are_rank_0s_in_evaluation_prediction_and_checkpoints(tmp_path):
+    from scripts.handler_case import make_data
+
+    results = _check(run_distributed(_batchnorm, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    Xv, yv = make_data(N_VAL, seed=1)
+    for strategy in ("fsdp", "ddp"):
+        plain = bn_model(seed=3)
+        plain.load_state_dict(torch.load(tmp_path / f"{strategy}.pt", weights_only=True))
+        with torch.no_grad():
+            expected = plain.eval()(Xv)
+        for r in results:
+            mine = r[strategy]
+            # 2 ranks predict and evaluate as the exported model does in this one process.
+            torch.testing.assert_close(mine["predict"], expected, rtol=1e-5, atol=1e-6)
+            assert mine["eval"] == pytest.approx(nn.functional.mse_loss(expected, yv).item(), rel=1e-5)
+            assert mine["val_loss"][-1] == pytest.approx(mine["eval"], rel=1e-6)
+            # The checkpoint holds rank 0's buffers: the resumed run is the uninterrupted one, bit for bit.
+            assert mine["resumed"] == mine["val_loss"]
+            torch.testing.assert_close(mine["resumed_predict"], mine["predict"], rtol=0, atol=0)
+    # FSDP follows DDP's rule, so it gives DDP's numbers.
+    fsdp, ddp = (torch.tensor(results[0][s]["val_loss"]) for s in ("fsdp", "ddp"))
+    torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- overwrite and damaged directories
 def _overwrite(rank, root):
     import nn_handler.checkpoint as C
