@@ -310,6 +310,52 @@ def test_buffers_are_rank_0s_in_evaluation_prediction_and_checkpoints(tmp_path):
     torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- tied weights
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, as language models do."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(12, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 12, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.emb(x))))
+
+
+def _tied(rank, root):
+    from nn_handler import NNHandler
+
+    tokens = torch.arange(64) % 12
+    out = {}
+    for strategy in ("fsdp", "ddp"):
+        handler = NNHandler(Tied(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.5},
+                            device="cpu", strategy=strategy)
+        handler.set_train_loader((tokens, (tokens + 1) % 12), batch_size=PER_RANK, shuffle=False)
+        handler.train(3, progress=False)
+        handler.export_model(Path(root) / f"{strategy}.pt")
+        out[strategy] = {"tied": handler.module.emb.weight is handler.module.out.weight,
+                         "loss": handler.history["train_loss"]}
+    return out
+
+
+def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
+    results = _check(run_distributed(_tied, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    fsdp, ddp = (torch.load(tmp_path / f"{s}.pt", weights_only=True) for s in ("fsdp", "ddp"))
+    for r in results:
+        assert r["fsdp"]["tied"] and r["ddp"]["tied"]
+        torch.testing.assert_close(torch.tensor(r["fsdp"]["loss"]), torch.tensor(r["ddp"]["loss"]),
+                                   rtol=1e-5, atol=1e-6)
+    assert results[0]["ddp"]["loss"][-1] < results[0]["ddp"]["loss"][0]
+    assert fsdp.keys() == ddp.keys()
+    torch.testing.assert_close(fsdp["out.weight"], fsdp["emb.weight"], rtol=0, atol=0)
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 # ----------------------------------------------------------------------------- overwrite and damaged directories
 def _overwrite(rank, root):
     import nn_handler.checkpoint as C
