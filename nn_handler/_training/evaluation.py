@@ -27,6 +27,7 @@ from .config import TrainingConfig
 from .parts import Parts
 from .sharding import is_sharded
 from .step import autocast_context
+from .uneven import even_batches
 
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
@@ -47,7 +48,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
         # The unwrapped module: DDP's forward is not needed without
         # gradients, and avoiding it keeps evaluation free of collectives.
         with torch.no_grad(), autocast_context(parts.device, config.amp):
-            for batch in loader:
+            for batch in even_batches(loader) if lockstep else loader:
                 inputs, targets = D.split_batch(to_device(batch, parts.device))
                 if targets is None:
                     raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
@@ -90,9 +91,10 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     was_training = module.training
     module.eval()
     outputs = []
+    lockstep = is_sharded(module) and parts.in_group  # a sharded forward is a collective
     try:
         with torch.no_grad(), autocast_context(parts.device, config.amp):
-            for batch in loader:
+            for batch in even_batches(loader) if lockstep else loader:
                 inputs, _ = D.split_batch(to_device(batch, parts.device))
                 out = module(inputs)
                 if not isinstance(out, torch.Tensor):

@@ -356,6 +356,48 @@ def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
         torch.testing.assert_close(fsdp[key], ddp[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+# ----------------------------------------------------------------------------- uneven evaluation data
+class Stream(torch.utils.data.IterableDataset):
+    """The first ``n`` validation samples, one at a time: no sampler, so each rank's stream is its own."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        from scripts.handler_case import make_data
+
+        return zip(*make_data(self.n, seed=1))
+
+
+def _uneven_evaluation(rank):
+    from torch.utils.data import DataLoader
+
+    from nn_handler import ConfigurationError
+
+    handler = build(PER_RANK)
+    errors = []
+    uneven = DataLoader(Stream(3 * PER_RANK if rank == 0 else 2 * PER_RANK), batch_size=PER_RANK)
+    for call in (lambda: handler.evaluate(uneven), lambda: handler.predict(uneven),
+                 lambda: (handler.set_val_loader(uneven), handler.train(1, progress=False))):
+        try:
+            call()
+            errors.append(None)
+        except ConfigurationError as exc:
+            errors.append(str(exc))
+    even = handler.evaluate(DataLoader(Stream(2 * PER_RANK), batch_size=PER_RANK))
+    return {"errors": errors, "even": even}
+
+
+def test_uneven_evaluation_data_is_a_clear_error_on_every_rank():
+    results = _check(run_distributed(_uneven_evaluation, 2, timeout=TIMEOUT))
+    for r in results:
+        assert all(e is not None for e in r["errors"]), r["errors"]
+        for e in r["errors"]:
+            assert "evaluation data gave the ranks different numbers of batches: rank 1 ran out after 2 batches, " \
+                   "rank 0 had more; under strategy='fsdp' every rank runs the sharded forward" in e
+    assert results[0]["even"] == results[1]["even"] and results[0]["even"]["loss"] > 0
+
+
 # ----------------------------------------------------------------------------- overwrite and damaged directories
 def _overwrite(rank, root):
     import nn_handler.checkpoint as C
