@@ -100,7 +100,7 @@ def shard_model(model: nn.Module, device: torch.device, amp: bool, classes: tupl
         kwargs["offload_policy"] = CPUOffloadPolicy()
     model = model.to(device)
     targets = wrap_targets(model, classes)
-    if classes and not targets:
+    if classes and not any(isinstance(m, classes) for m in list(model.modules())[1:]):
         log.warning("fsdp_wrap: the model has no submodule of %s; only the whole model is sharded",
                     ", ".join(c.__name__ for c in classes))
     for module in targets:

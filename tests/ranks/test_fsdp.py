@@ -8,6 +8,7 @@ reduce-scatter averages them as one process's mean loss does.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -339,7 +340,22 @@ def _tied(rank, root):
         handler.export_model(Path(root) / f"{strategy}.pt")
         out[strategy] = {"tied": handler.module.emb.weight is handler.module.out.weight,
                          "loss": handler.history["train_loss"]}
+    # A policy naming the embedding alone: it shares its weight with the output layer, so the root shards both.
+    logger, records = logging.getLogger("nn_handler._training.sharding"), []
+    logger.addHandler(Catch(records))
+    logger.setLevel(logging.INFO)
+    policy = NNHandler(Tied(), device="cpu", strategy="fsdp", fsdp_wrap={nn.Embedding}).module
+    out["policy"] = {"tied": policy.emb.weight is policy.out.weight, "log": "\n".join(records)}
     return out
+
+
+class Catch(logging.Handler):
+    def __init__(self, records):
+        super().__init__()
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
 
 
 def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
@@ -347,6 +363,8 @@ def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
     fsdp, ddp = (torch.load(tmp_path / f"{s}.pt", weights_only=True) for s in ("fsdp", "ddp"))
     for r in results:
         assert r["fsdp"]["tied"] and r["ddp"]["tied"]
+        assert r["policy"]["tied"] and "has no submodule" not in r["policy"]["log"]
+        assert "Embedding share parameters with modules outside them (tied weights)" in r["policy"]["log"]
         torch.testing.assert_close(torch.tensor(r["fsdp"]["loss"]), torch.tensor(r["ddp"]["loss"]),
                                    rtol=1e-5, atol=1e-6)
     assert results[0]["ddp"]["loss"][-1] < results[0]["ddp"]["loss"][0]

@@ -47,6 +47,23 @@ def test_bad_strategy_settings_fail_at_construction(kwargs, message):
         NNHandler(make_model(), device="cpu", **kwargs)
 
 
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(5, 3), nn.Linear(3, 3), nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+
+def test_modules_sharing_a_parameter_with_others_are_left_to_the_group_around_them(caplog):
+    model = Tied()
+    with caplog.at_level("INFO", logger="nn_handler._training.sharding"):
+        assert wrap_targets(model, ()) == [model.mid]
+        assert wrap_targets(model, (nn.Embedding, nn.Linear)) == [model.mid]
+    assert "Embedding, Linear share parameters with modules outside them (tied weights)" in caplog.text
+    outer = nn.Sequential(model)  # both holders inside one target: it is sharded on its own, tie included
+    assert wrap_targets(outer, ()) == [model]
+
 def test_auto_is_ddp_and_fsdp_accepts_a_single_class():
     assert NNHandler(make_model(), device="cpu").strategy == "ddp"
     handler = NNHandler(make_model(), device="cpu", strategy="fsdp", fsdp_wrap=nn.Linear)
