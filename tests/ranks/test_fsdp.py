@@ -262,8 +262,9 @@ def _bn_handler(strategy, **kwargs):
     from nn_handler import NNHandler
     from scripts.handler_case import make_data
 
+    kwargs.setdefault("device", "cpu")
     handler = NNHandler(bn_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05, "momentum": 0.9},
-                        device="cpu", strategy=strategy, **kwargs)
+                        strategy=strategy, **kwargs)
     handler.set_train_loader(make_data(64), batch_size=PER_RANK, shuffle=False)  # the ranks' batches differ
     handler.set_val_loader(make_data(N_VAL, seed=1), batch_size=9)
     return handler
@@ -310,6 +311,26 @@ def test_buffers_are_rank_0s_in_evaluation_prediction_and_checkpoints(tmp_path):
     fsdp, ddp = (torch.tensor(results[0][s]["val_loss"]) for s in ("fsdp", "ddp"))
     torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_buffers_are_broadcast_on_a_gpu_and_predict_equals_the_export(tmp_path):
+    def body(rank, root):
+        from scripts.handler_case import make_data
+
+        handler = _bn_handler("fsdp", device="auto")  # the rank's GPU, under NCCL
+        handler.train(2, progress=False)
+        handler.export_model(Path(root) / "export.pt")
+        return handler.predict(make_data(N_VAL, seed=1)[0])
+
+    from scripts.handler_case import make_data
+
+    predicted = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
+    plain = bn_model(seed=3)
+    plain.load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
+    with torch.no_grad():
+        torch.testing.assert_close(predicted, plain.eval()(make_data(N_VAL, seed=1)[0]), rtol=1e-4, atol=1e-5)
 
 # ----------------------------------------------------------------------------- tied weights
 class Tied(nn.Module):
