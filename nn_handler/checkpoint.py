@@ -534,7 +534,7 @@ def prune_run_checkpoints(dirpath: str | os.PathLike, keep_last: int, *, run_id:
     removed = []
     for path in own[:-keep_last] if keep_last > 0 else []:
         try:
-            _remove(path)
+            remove_checkpoint(path)
             removed.append(path)
         except FileNotFoundError:
             pass
@@ -556,15 +556,15 @@ def remove_stale_temp_files(dirpath: str | os.PathLike) -> list[Path]:
         name = path.name
         if is_temp_file(path) and _RUN_NAME.match(name[1:name.index(_TMP_MARK)]):
             try:
-                _remove(path)
+                remove_checkpoint(path)
                 removed.append(path)
             except OSError as exc:
                 log.warning("could not delete the stale temporary file %s: %s", path, exc)
     return removed
 
 
-def _remove(path: Path) -> None:
-    # A sharded checkpoint (or its interrupted write) is a directory.
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint's directory (or an interrupted write of either)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:

@@ -19,6 +19,7 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     resume.py      what a checkpoint holds, and how a run starts and resumes
     uneven.py      ranks whose data runs out at different steps: one clear error
     preemption.py  SIGTERM (or max_time) -> a checkpoint and a clean exit
+    buffers.py     the ranks' buffers are rank 0's wherever they are read (DDP's rule)
     sharding.py    strategy="fsdp": fully_shard by a wrap policy, the precision's policy
     sharded_checkpoint.py  DCP checkpoint directories, committed atomically; export_model
     progress.py    the tqdm bar of an epoch

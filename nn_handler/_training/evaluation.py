@@ -22,9 +22,11 @@ from ..utils._collectives import gather, side_group
 from ..utils.parallel import parallel_predict
 from . import data as D
 from . import metrics as M
+from .buffers import sync_buffers
 from .config import TrainingConfig
 from .parts import Parts
 from .sharding import is_sharded
+from .uneven import even_batches
 
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
@@ -32,6 +34,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     if parts.loss_fn is None:
         raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
     module, loss_fn, metrics = parts.module, parts.loss_fn, config.metrics
+    sync_buffers(parts, "NNHandler.evaluate")  # rank 0's running statistics, as in the exported model
     was_training = module.training
     module.eval()
     real = D.real_sample_count(loader)
@@ -44,7 +47,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
         # The unwrapped module: DDP's forward is not needed without
         # gradients, and avoiding it keeps evaluation free of collectives.
         with torch.no_grad(), parts.precision.autocast():
-            for batch in loader:
+            for batch in even_batches(loader) if lockstep else loader:
                 inputs, targets = D.split_batch(to_device(batch, parts.device))
                 if targets is None:
                     raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
@@ -83,12 +86,14 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     sampler = loader.sampler
     real = D.real_sample_count(loader)
     module = parts.module
+    sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
     outputs = []
+    lockstep = is_sharded(module) and parts.in_group  # a sharded forward is a collective
     try:
         with torch.no_grad(), parts.precision.autocast():
-            for batch in loader:
+            for batch in even_batches(loader) if lockstep else loader:
                 inputs, _ = D.split_batch(to_device(batch, parts.device))
                 out = module(inputs)
                 if not isinstance(out, torch.Tensor):

@@ -25,6 +25,7 @@ from ..checkpoint import (
     load_payload,
     prune_run_checkpoints,
     read_run_info,
+    remove_checkpoint,
     remove_stale_temp_files,
     restore_rng_state,
     run_checkpoint_name,
@@ -34,6 +35,7 @@ from ..checkpoint import (
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
 from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
 from . import sharded_checkpoint
+from .buffers import sync_buffers
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import Parts
@@ -84,6 +86,7 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
 def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
          seq: int | None = None) -> None:
     """Gather every rank's random state (and mid-epoch part), then write the checkpoint from rank 0."""
+    sync_buffers(parts, "NNHandler.save_checkpoint")  # a sharded checkpoint would hold whichever rank's DCP keeps
     mine = (capture_rng_state(), partial)
     everyone = [mine]
     if parts.in_group:
@@ -164,14 +167,20 @@ def start_run(parts: Parts, config: TrainingConfig, state: TrainingState) -> Non
     if plan["path"] is not None:
         _resume_from(parts, state, Path(plan["path"]), loaded.get("payload"), plan["why"])
     state.run_seq = max(state.run_seq, plan["seq"])
-    if parts.is_main_process and plan["delete"]:
-        for name in plan["delete"]:
-            try:
-                (directory / name).unlink()
-            except FileNotFoundError:
-                pass
-        log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s",
-                    directory, ", ".join(plan["delete"]))
+    if plan["delete"]:  # rank 0 deletes; when it fails there, every rank raises
+        on_main(parts, functools.partial(_delete_others, directory, plan["delete"]),
+                f"deleting another run's checkpoints from {directory}",
+                lambda err: CheckpointError(f"rank 0 could not delete another run's checkpoints from {directory} "
+                                            f"(overwrite=True); see rank 0's error"))
+
+
+def _delete_others(directory: Path, names: list[str]) -> None:
+    for name in names:
+        try:
+            remove_checkpoint(directory / name)  # a file, or a sharded checkpoint's directory
+        except FileNotFoundError:
+            pass
+    log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s", directory, ", ".join(names))
 
 
 def _plan_run(config: TrainingConfig, state: TrainingState) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -375,6 +384,8 @@ def checked_payload(payload: Any, path) -> dict[str, Any]:
     if problems:
         raise CheckpointError(f"{path} is not a complete nn_handler checkpoint ({', '.join(problems)}); "
                               f"was it changed after NNHandler.save_checkpoint wrote it?")
+    if payload.get("sharded") is not None:
+        sharded_checkpoint.check_complete(path)  # the metadata file is there; are the shards?
     return payload
 
 

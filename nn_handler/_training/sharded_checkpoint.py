@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
@@ -126,12 +127,44 @@ def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resu
     return False
 
 
+def check_complete(path: str | os.PathLike) -> None:
+    """Raise a CheckpointError naming the directory when a file DCP's metadata lists is missing or too short.
+
+    Costs a read of ``.metadata`` and a ``stat`` per shard file: what a
+    partial copy or an interrupted transfer leaves is found before a load
+    starts (DCP itself would fail halfway, on some ranks).
+    """
+    path = Path(path)
+    try:
+        storage = _read_metadata(path).storage_data
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"the sharded checkpoint {path} has no readable DCP metadata (.metadata): "
+                              f"{type(exc).__name__}: {exc}") from exc
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} is truncated ({file.stat().st_size} of {size} bytes)")
+    if problems:
+        raise CheckpointError(f"the sharded checkpoint {path} is incomplete: {'; '.join(problems)} (was it copied "
+                              f"in part, or changed after it was written?)")
+
+
+def _read_metadata(path: Path):
+    return dcp.FileSystemReader(str(path)).read_metadata()
+
+
 def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
     module = parts.module
+    check_complete(path)
     # Names and shapes from DCP's metadata first: a checkpoint that does not
     # fit is refused by name before anything is loaded.
-    reader = dcp.FileSystemReader(str(path))
-    saved = reader.read_metadata().state_dict_metadata
+    saved = _read_metadata(path).state_dict_metadata
     shapes = {k[len("model."):]: torch.empty(tuple(getattr(v, "size", ())), device="meta")
               for k, v in saved.items() if k.startswith("model.")}
     check_weights(module, shapes, source=str(path))
@@ -143,8 +176,8 @@ def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=not parts.in_group)
-    except Exception as exc:
-        raise CheckpointError(f"could not load the sharded checkpoint {path}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     if with_optimizer:
         set_state_dict(module, parts.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])

@@ -34,6 +34,10 @@ def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
 
     ``classes`` empty: every direct child that holds parameters. Otherwise
     every submodule (below the root) that is an instance of one of them.
+    A submodule sharing a parameter with a module outside it (tied weights,
+    e.g. an embedding and the output layer) is left to the group around it:
+    ``fully_shard`` replaces a parameter in the modules it shards alone, so
+    sharding one holder by itself would untie the weight.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 1)))
@@ -41,12 +45,28 @@ def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
         ['Linear', 'Sequential']
         >>> [type(t).__name__ for t in wrap_targets(m, (nn.Linear,))]
         ['Linear', 'Linear']
+        >>> m[2][0].weight = nn.Parameter(torch.ones(2, 2))
+        >>> m[0].weight = m[2][0].weight  # tied: both stay with the root
+        >>> wrap_targets(m, ())
+        []
     """
     if not classes:
-        return [child for child in model.children() if any(True for _ in child.parameters())]
-    below_root = list(model.modules())[1:]
-    # Reversed pre-order: every module comes after all of its descendants, as fully_shard needs.
-    return [m for m in reversed(below_root) if isinstance(m, classes)]
+        targets = [child for child in model.children() if any(True for _ in child.parameters())]
+    else:
+        below_root = list(model.modules())[1:]
+        # Reversed pre-order: every module comes after all of its descendants, as fully_shard needs.
+        targets = [m for m in reversed(below_root) if isinstance(m, classes)]
+    tied = [t for t in targets if _shares_parameters_outside(model, t)]
+    if tied:
+        log.info("fsdp: %s share parameters with modules outside them (tied weights); they are sharded with "
+                 "the module around them, so the weights stay tied", ", ".join(type(t).__name__ for t in tied))
+    return [t for t in targets if t not in tied]
+
+
+def _shares_parameters_outside(model: nn.Module, target: nn.Module) -> bool:
+    inside = {id(m) for m in target.modules()}
+    mine = {id(p) for p in target.parameters()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False))
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: Precision, classes: tuple,
@@ -71,7 +91,7 @@ def shard_model(model: nn.Module, device: torch.device, precision: Precision, cl
         kwargs["offload_policy"] = CPUOffloadPolicy()
     model = model.to(device)
     targets = wrap_targets(model, classes)
-    if classes and not targets:
+    if classes and not any(isinstance(m, classes) for m in list(model.modules())[1:]):
         log.warning("fsdp_wrap: the model has no submodule of %s; only the whole model is sharded",
                     ", ".join(c.__name__ for c in classes))
     if compile_kwargs is not None:

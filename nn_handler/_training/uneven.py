@@ -1,4 +1,4 @@
-"""Uneven training data across ranks: found out before it becomes a collective mismatch.
+"""Uneven training (and sharded evaluation) data across ranks: found out before it becomes a collective mismatch.
 
 Every rank must run the same number of DDP steps in an epoch: a rank whose
 data ends first goes on to the epoch's all-reduce while the others wait in a
@@ -25,6 +25,11 @@ What it costs depends on what the loader can promise:
   check): a blocking agreement every step 0.68x, an overlapped one every
   step 0.88x, one per window of 8 (shipped) 0.93x; a real model's longer
   steps hide more of it.
+
+Evaluation needs the same under ``strategy="fsdp"`` only: a sharded
+forward is a collective, so every rank runs the forward of every batch
+together (:func:`even_batches`); under DDP each rank evaluates its batches
+alone.
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -57,23 +62,27 @@ def check_mode(loader: DataLoader, n_batches: int | None) -> str | None:
     return None if isinstance(sampler, DistributedSampler) else "length"
 
 
-def check_lengths(n_batches: int, epoch: int) -> None:
-    """Every rank's ``len(loader)`` in one all-reduce; raise on every rank when they differ."""
+def check_lengths(n_batches: int, epoch: int | None, purpose: str = "training") -> None:
+    """Every rank's ``len(loader)`` in one all-reduce; raise on every rank when they differ.
+
+    ``purpose``: ``"training"``, or ``"evaluation"`` (``epoch`` None outside training).
+    """
     side = side_group()
-    check_collective_allowed("NNHandler.train")
+    check_collective_allowed(_CALLER[purpose])
     counts = torch.zeros(side.size, dtype=torch.int64)
     counts[side.rank] = n_batches
-    with watching("all_reduce (training batches per rank)"):
+    with watching(f"all_reduce ({purpose} batches per rank)"):
         dist.all_reduce(counts, group=side.group)
     counts = counts.tolist()
     if len(set(counts)) > 1:
         per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise ConfigurationError(
-            f"the training loader gives the ranks different numbers of batches in epoch {epoch} ({per_rank}); "
-            f"every rank must take the same number of optimizer steps: {_REMEDY}")
+            f"the {purpose} loader gives the ranks different numbers of batches{_in(epoch)} ({per_rank}); "
+            f"{_WHY[purpose]}: {_REMEDY}")
 
 
-def agreed(batches: Iterable[Any], first: int, epoch: int, window: int | None = None) -> Iterator[Any]:
+def agreed(batches: Iterable[Any], first: int, epoch: int | None, window: int | None = None,
+           purpose: str = "training") -> Iterator[Any]:
     """``batches`` while every rank has them; on every rank a ConfigurationError once only some have more.
 
     The ranks agree on how many batches each holds, ``window`` at a time (one
@@ -84,7 +93,7 @@ def agreed(batches: Iterable[Any], first: int, epoch: int, window: int | None = 
     """
     window = WINDOW if window is None else window
     side = side_group()
-    check_collective_allowed("NNHandler.train")
+    check_collective_allowed(_CALLER[purpose])
     it = iter(batches)
     counts = torch.zeros(side.size, dtype=torch.int64)
     ready: deque = deque()  # every rank holds these
@@ -106,7 +115,7 @@ def agreed(batches: Iterable[Any], first: int, epoch: int, window: int | None = 
 
     work = fetch_and_ask()
     while True:
-        with watching("all_reduce (training batches held per rank)"):
+        with watching(f"all_reduce ({purpose} batches held per rank)"):
             work.wait()
         held = counts.tolist()
         common = min(held)
@@ -118,9 +127,9 @@ def agreed(batches: Iterable[Any], first: int, epoch: int, window: int | None = 
             out = [r for r, n in enumerate(held) if n == common]
             more = [r for r, n in enumerate(held) if n > common]
             raise ConfigurationError(
-                f"the training data gave the ranks different numbers of batches in epoch {epoch}: "
-                f"{_ranks(out)} ran out after {seen} batches, {_ranks(more)} had more; every rank must take "
-                f"the same number of optimizer steps: {_REMEDY}")
+                f"the {purpose} data gave the ranks different numbers of batches{_in(epoch)}: "
+                f"{_ranks(out)} ran out after {seen} batches, {_ranks(more)} had more; {_WHY[purpose]}: "
+                f"{_REMEDY}")
         if common == 0:
             return
         work = fetch_and_ask()  # answered while the ready batches train
@@ -129,9 +138,32 @@ def agreed(batches: Iterable[Any], first: int, epoch: int, window: int | None = 
             yield ready.popleft()
 
 
+def even_batches(loader: DataLoader) -> Iterable[Any]:
+    """``loader``'s batches for a sharded evaluation, where every rank must run the forward on every batch.
+
+    Uneven data raises a ConfigurationError on every rank (checked as for
+    training) instead of leaving one rank alone in a sharded forward.
+    """
+    try:
+        n_batches = len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        n_batches = None
+    mode = check_mode(loader, n_batches)
+    if mode == "length":
+        check_lengths(n_batches, None, "evaluation")
+    return agreed(loader, 0, None, purpose="evaluation") if mode == "step" else loader
+
+
+def _in(epoch: int | None) -> str:
+    return "" if epoch is None else f" in epoch {epoch}"
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+_CALLER = {"training": "NNHandler.train", "evaluation": "NNHandler.evaluate"}
+_WHY = {"training": "every rank must take the same number of optimizer steps",
+        "evaluation": "under strategy='fsdp' every rank runs the sharded forward of every batch together"}
 _REMEDY = ("make each rank's shard yield the same number of batches (split the stream evenly, drop the remainder), "
            "or pass a map-style Dataset, which NNHandler shards evenly with a DistributedSampler")

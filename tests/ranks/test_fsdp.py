@@ -8,6 +8,7 @@ reduce-scatter averages them as one process's mean loss does.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -247,3 +248,251 @@ def test_fsdp_on_one_gpu_rank_trains_with_amp_and_exports(tmp_path):
     loss = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
     assert loss[-1] < loss[0]
     make_model().load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
+
+
+# ----------------------------------------------------------------------------- buffers: rank 0's, as under DDP
+def bn_model(seed=0):
+    from scripts.handler_case import IN
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _bn_handler(strategy, **kwargs):
+    from nn_handler import NNHandler
+    from scripts.handler_case import make_data
+
+    kwargs.setdefault("device", "cpu")
+    handler = NNHandler(bn_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05, "momentum": 0.9},
+                        strategy=strategy, **kwargs)
+    handler.set_train_loader(make_data(64), batch_size=PER_RANK, shuffle=False)  # the ranks' batches differ
+    handler.set_val_loader(make_data(N_VAL, seed=1), batch_size=9)
+    return handler
+
+
+def _batchnorm(rank, root):
+    from scripts.handler_case import make_data
+
+    Xv, yv = make_data(N_VAL, seed=1)
+    out = {}
+    for strategy in ("fsdp", "ddp"):
+        straight = _bn_handler(strategy)
+        straight.train(4, progress=False)
+        straight.export_model(Path(root) / f"{strategy}.pt")
+        _bn_handler(strategy, checkpoint_dir=Path(root) / strategy).train(2, progress=False)
+        resumed = _bn_handler(strategy, checkpoint_dir=Path(root) / strategy, resume="auto")
+        resumed.train(4, progress=False)
+        out[strategy] = {"val_loss": straight.history["val_loss"], "resumed": resumed.history["val_loss"],
+                         "predict": straight.predict(Xv), "eval": straight.evaluate((Xv, yv))["loss"],
+                         "resumed_predict": resumed.predict(Xv)}
+    return out
+
+
+def test_buffers_are_rank_0s_in_evaluation_prediction_and_checkpoints(tmp_path):
+    from scripts.handler_case import make_data
+
+    results = _check(run_distributed(_batchnorm, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    Xv, yv = make_data(N_VAL, seed=1)
+    for strategy in ("fsdp", "ddp"):
+        plain = bn_model(seed=3)
+        plain.load_state_dict(torch.load(tmp_path / f"{strategy}.pt", weights_only=True))
+        with torch.no_grad():
+            expected = plain.eval()(Xv)
+        for r in results:
+            mine = r[strategy]
+            # 2 ranks predict and evaluate as the exported model does in this one process.
+            torch.testing.assert_close(mine["predict"], expected, rtol=1e-5, atol=1e-6)
+            assert mine["eval"] == pytest.approx(nn.functional.mse_loss(expected, yv).item(), rel=1e-5)
+            assert mine["val_loss"][-1] == pytest.approx(mine["eval"], rel=1e-6)
+            # The checkpoint holds rank 0's buffers: the resumed run is the uninterrupted one, bit for bit.
+            assert mine["resumed"] == mine["val_loss"]
+            torch.testing.assert_close(mine["resumed_predict"], mine["predict"], rtol=0, atol=0)
+    # FSDP follows DDP's rule, so it gives DDP's numbers.
+    fsdp, ddp = (torch.tensor(results[0][s]["val_loss"]) for s in ("fsdp", "ddp"))
+    torch.testing.assert_close(fsdp, ddp, rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_buffers_are_broadcast_on_a_gpu_and_predict_equals_the_export(tmp_path):
+    def body(rank, root):
+        from scripts.handler_case import make_data
+
+        handler = _bn_handler("fsdp", device="auto")  # the rank's GPU, under NCCL
+        handler.train(2, progress=False)
+        handler.export_model(Path(root) / "export.pt")
+        return handler.predict(make_data(N_VAL, seed=1)[0])
+
+    from scripts.handler_case import make_data
+
+    predicted = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
+    plain = bn_model(seed=3)
+    plain.load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
+    with torch.no_grad():
+        torch.testing.assert_close(predicted, plain.eval()(make_data(N_VAL, seed=1)[0]), rtol=1e-4, atol=1e-5)
+
+# ----------------------------------------------------------------------------- tied weights
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, as language models do."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(12, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 12, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.emb(x))))
+
+
+def _tied(rank, root):
+    from nn_handler import NNHandler
+
+    tokens = torch.arange(64) % 12
+    out = {}
+    for strategy in ("fsdp", "ddp"):
+        handler = NNHandler(Tied(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.5},
+                            device="cpu", strategy=strategy)
+        handler.set_train_loader((tokens, (tokens + 1) % 12), batch_size=PER_RANK, shuffle=False)
+        handler.train(3, progress=False)
+        handler.export_model(Path(root) / f"{strategy}.pt")
+        out[strategy] = {"tied": handler.module.emb.weight is handler.module.out.weight,
+                         "loss": handler.history["train_loss"]}
+    # A policy naming the embedding alone: it shares its weight with the output layer, so the root shards both.
+    logger, records = logging.getLogger("nn_handler._training.sharding"), []
+    logger.addHandler(Catch(records))
+    logger.setLevel(logging.INFO)
+    policy = NNHandler(Tied(), device="cpu", strategy="fsdp", fsdp_wrap={nn.Embedding}).module
+    out["policy"] = {"tied": policy.emb.weight is policy.out.weight, "log": "\n".join(records)}
+    return out
+
+
+class Catch(logging.Handler):
+    def __init__(self, records):
+        super().__init__()
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
+    results = _check(run_distributed(_tied, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    fsdp, ddp = (torch.load(tmp_path / f"{s}.pt", weights_only=True) for s in ("fsdp", "ddp"))
+    for r in results:
+        assert r["fsdp"]["tied"] and r["ddp"]["tied"]
+        assert r["policy"]["tied"] and "has no submodule" not in r["policy"]["log"]
+        assert "Embedding share parameters with modules outside them (tied weights)" in r["policy"]["log"]
+        torch.testing.assert_close(torch.tensor(r["fsdp"]["loss"]), torch.tensor(r["ddp"]["loss"]),
+                                   rtol=1e-5, atol=1e-6)
+    assert results[0]["ddp"]["loss"][-1] < results[0]["ddp"]["loss"][0]
+    assert fsdp.keys() == ddp.keys()
+    torch.testing.assert_close(fsdp["out.weight"], fsdp["emb.weight"], rtol=0, atol=0)
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ----------------------------------------------------------------------------- uneven evaluation data
+class Stream(torch.utils.data.IterableDataset):
+    """The first ``n`` validation samples, one at a time: no sampler, so each rank's stream is its own."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        from scripts.handler_case import make_data
+
+        return zip(*make_data(self.n, seed=1))
+
+
+def _uneven_evaluation(rank):
+    from torch.utils.data import DataLoader
+
+    from nn_handler import ConfigurationError
+
+    handler = build(PER_RANK)
+    errors = []
+    uneven = DataLoader(Stream(3 * PER_RANK if rank == 0 else 2 * PER_RANK), batch_size=PER_RANK)
+    for call in (lambda: handler.evaluate(uneven), lambda: handler.predict(uneven),
+                 lambda: (handler.set_val_loader(uneven), handler.train(1, progress=False))):
+        try:
+            call()
+            errors.append(None)
+        except ConfigurationError as exc:
+            errors.append(str(exc))
+    even = handler.evaluate(DataLoader(Stream(2 * PER_RANK), batch_size=PER_RANK))
+    return {"errors": errors, "even": even}
+
+
+def test_uneven_evaluation_data_is_a_clear_error_on_every_rank():
+    results = _check(run_distributed(_uneven_evaluation, 2, timeout=TIMEOUT))
+    for r in results:
+        assert all(e is not None for e in r["errors"]), r["errors"]
+        for e in r["errors"]:
+            assert "evaluation data gave the ranks different numbers of batches: rank 1 ran out after 2 batches, " \
+                   "rank 0 had more; under strategy='fsdp' every rank runs the sharded forward" in e
+    assert results[0]["even"] == results[1]["even"] and results[0]["even"]["loss"] > 0
+
+
+# ----------------------------------------------------------------------------- overwrite and damaged directories
+def _overwrite(rank, root):
+    import nn_handler.checkpoint as C
+
+    root = Path(root)
+    build(PER_RANK, checkpoint_dir=root / "a").train(1, progress=False)  # another run's directory
+    mine = build(PER_RANK, checkpoint_dir=root / "a", overwrite=True)
+    mine.train(2, progress=False)
+    runs = {C.read_run_info(p)[0] for p in C.list_run_checkpoints(root / "a")}
+    # A deletion that fails on rank 0 fails every rank, at once.
+    build(PER_RANK, checkpoint_dir=root / "b").train(1, progress=False)
+    if rank == 0:
+        def refuse(path, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        C.shutil.rmtree = refuse
+    try:
+        build(PER_RANK, checkpoint_dir=root / "b", overwrite=True).train(1, progress=False)
+        failure = None
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    return {"names": sorted(os.listdir(root / "a")), "runs": runs, "mine": mine._state.run_id, "failure": failure}
+
+
+def test_overwrite_deletes_sharded_checkpoints_and_every_rank_gets_the_same_outcome(tmp_path):
+    results = _check(run_distributed(_overwrite, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    for r in results:
+        assert r["names"] == ["epoch-0001.ckpt", "epoch-0002.ckpt"] and r["runs"] == {results[0]["mine"]}
+    assert results[0]["failure"].startswith("PermissionError") and "Permission denied" in results[0]["failure"]
+    assert results[1]["failure"].startswith("CheckpointError: rank 0 could not delete another run's checkpoints")
+
+
+def _damaged_shard(rank, root):
+    from nn_handler import CheckpointError
+
+    root = Path(root)
+    build(PER_RANK, checkpoint_dir=root, keep_last=3).train(2, progress=False)
+    if rank == 0:  # before the resume plan, which rank 0 makes for every rank
+        (root / "epoch-0002.ckpt" / "__1_0.distcp").unlink()
+        shutil.copytree(root / "epoch-0002.ckpt", root.parent / "damaged.ckpt")  # the resumed run replaces it
+    resumed = build(PER_RANK, checkpoint_dir=root, keep_last=3, resume="auto")
+    resumed.train(3, progress=False)
+    straight = build(PER_RANK)
+    straight.train(3, progress=False)
+    try:
+        build(PER_RANK).load_checkpoint(root.parent / "damaged.ckpt")
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"resumed": outcome(resumed), "straight": outcome(straight), "error": error}
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_skipped_by_every_rank(tmp_path):
+    results = _check(run_distributed(_damaged_shard, 2, args=(str(tmp_path / "run"),), timeout=TIMEOUT))
+    for r in results:
+        assert r["error"] is not None and "damaged.ckpt is incomplete: __1_0.distcp is missing" in r["error"]
+        for key in ("epoch", "train_loss", "val_loss", "train_mae", "val_mae", "lr"):  # resumed from epoch 1
+            assert r["resumed"]["history"][key] == r["straight"]["history"][key], key
+        torch.testing.assert_close(r["resumed"]["weights"], r["straight"]["weights"], rtol=0, atol=0)

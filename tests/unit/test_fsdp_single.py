@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -46,6 +47,23 @@ def test_bad_strategy_settings_fail_at_construction(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         NNHandler(make_model(), device="cpu", **kwargs)
 
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(5, 3), nn.Linear(3, 3), nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+
+def test_modules_sharing_a_parameter_with_others_are_left_to_the_group_around_them(caplog):
+    model = Tied()
+    with caplog.at_level("INFO", logger="nn_handler._training.sharding"):
+        assert wrap_targets(model, ()) == [model.mid]
+        assert wrap_targets(model, (nn.Embedding, nn.Linear)) == [model.mid]
+    assert "Embedding, Linear share parameters with modules outside them (tied weights)" in caplog.text
+    outer = nn.Sequential(model)  # both holders inside one target: it is sharded on its own, tie included
+    assert wrap_targets(outer, ()) == [model]
 
 def test_auto_is_ddp_and_fsdp_accepts_a_single_class():
     assert NNHandler(make_model(), device="cpu").strategy == "ddp"
@@ -158,3 +176,51 @@ def test_a_failed_sharded_write_leaves_the_previous_checkpoint_and_no_temp_dir(t
         handler.save_checkpoint(path)
     assert sorted(os.listdir(tmp_path)) == ["c.ckpt"] and sorted(os.listdir(path)) == before
     assert make_handler(strategy="fsdp").load_checkpoint(path) == 0
+
+
+def _train_into(directory, epochs, **kwargs):
+    X, y = make_data(32)
+    handler = make_handler(strategy="fsdp", checkpoint_dir=directory, keep_last=5, **kwargs)
+    handler.set_train_loader((X, y), batch_size=8, shuffle=False)
+    handler.train(epochs, progress=False)
+    return handler
+
+
+def test_overwrite_deletes_another_runs_checkpoint_directories(tmp_path):
+    _train_into(tmp_path, 2)  # another run: two sharded directories
+    assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0001.ckpt", "epoch-0002.ckpt"]
+    mine = _train_into(tmp_path, 1, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0001.ckpt"]
+    assert load_payload(tmp_path / "epoch-0001.ckpt")["run"]["id"] == mine._state.run_id
+
+
+def _damage(path, how):
+    shard = path / "__0_0.distcp"
+    if how == "missing":
+        shard.unlink()
+    elif how == "truncated":
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:  # the right size, wrong bytes: only DCP's own read finds out
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+
+
+@pytest.mark.parametrize("how, problem", [("missing", r"incomplete: __0_0.distcp is missing"),
+                                          ("truncated", r"incomplete: __0_0.distcp is truncated \(\d+ of \d+ bytes\)"),
+                                          ("zeroed", r"could not load the sharded checkpoint .*epoch-0002.ckpt: "
+                                                     r"CheckpointException")])
+def test_a_damaged_shard_is_skipped_by_auto_and_refused_by_load_checkpoint(tmp_path, caplog, how, problem):
+    straight = _train_into(tmp_path / "straight", 3)
+    _train_into(tmp_path / "run", 2)
+    _damage(tmp_path / "run" / "epoch-0002.ckpt", how)
+    # A CheckpointError naming the directory and what is wrong (DCP's own CheckpointException is a BaseException).
+    with pytest.raises(CheckpointError, match=problem):
+        make_handler(strategy="fsdp").load_checkpoint(tmp_path / "run" / "epoch-0002.ckpt")
+    if how == "zeroed":  # found only by loading it, which resume="auto" reports as a failed resume
+        return
+    with caplog.at_level("WARNING"):
+        resumed = _train_into(tmp_path / "run", 3, resume="auto")  # from epoch 1, the complete older one
+    assert re.search(r"not resuming from .*epoch-0002.ckpt: the sharded checkpoint .*epoch-0002.ckpt is " + problem,
+                     caplog.text)
+    assert resumed.history["epoch"] == [1, 2, 3] and resumed.global_step == straight.global_step
+    for a, b in zip(resumed.module.parameters(), straight.module.parameters()):
+        assert torch.equal(a, b)
