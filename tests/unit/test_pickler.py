@@ -46,6 +46,17 @@ def test_the_source_of_a_file_that_is_not_on_disk_travels_with_the_code(monkeypa
     assert f'File "{name}", line 2, in cell\n    return x.missing  # the cell\'s line' in text, text
 
 
+def test_equal_code_of_two_files_keeps_each_its_own_file():
+    # Code objects compare equal whatever their file: each must still travel with its own.
+    source = "def same(x):\n    return x\n"
+    copies = []
+    for name in ("/no/such/a.py", "/no/such/b.py"):
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(source, name, "exec"), namespace)
+        copies.append(pickle.loads(pickler.dumps(namespace["same"])))
+    assert [c.__code__.co_filename for c in copies] == ["/no/such/a.py", "/no/such/b.py"]
+
+
 def test_a_file_on_disk_is_not_sent_along():
     data = pickler.dumps(_outer())
     assert b"a comprehension: code nested twice" not in data

@@ -42,7 +42,9 @@ __all__ = ["Pickler", "dumps"]
 
 # cloudpickle's own reducer for code objects (the attribute is public in every version the package allows).
 _cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
-_reduced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# By identity: code objects compare equal across files (co_filename is not
+# compared), so a WeakKeyDictionary would hand one file's name to another.
+_reduced: dict[int, tuple[weakref.ref, tuple]] = {}
 
 
 def _readable(filename: str) -> bool:
@@ -53,10 +55,12 @@ def _readable(filename: str) -> bool:
 def _reduce_code(code: types.CodeType):
     # A code object cannot change, nor can its reduction: made once, it costs a
     # dictionary look-up (cloudpickle's own copies every tuple each time).
-    reduced = _reduced.get(code)
-    if reduced is None:
-        reduced = _reduced[code] = _reduce_code_once(code)
-    return reduced
+    key = id(code)
+    entry = _reduced.get(key)
+    if entry is None or entry[0]() is not code:
+        entry = _reduced[key] = (weakref.ref(code, lambda _, key=key: _reduced.pop(key, None)),
+                                 _reduce_code_once(code))
+    return entry[1]
 
 
 def _reduce_code_once(code: types.CodeType):
