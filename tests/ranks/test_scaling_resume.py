@@ -224,13 +224,19 @@ def _deciding_body(rank, where, phase):
         same.train(EPOCHS, progress=False)
         build_deciding(best, ckpt).train(EPOCHS, max_steps=4, progress=False)
         return {"straight": _outcome(straight, where / "straight-ckpt"), "same": {**_outcome(same), "steps": steps}}
-    handler = build_deciding(best, ckpt, resume="auto", check_every=1,
-                             callbacks=[AtStep(8, sigterm_to(os.getpid), rank=1)] if phase == "third" else [])
-    try:
-        handler.train(EPOCHS, max_time=1e-6 if phase == "second" else None, progress=False)
-    except TrainingPreempted as exc:
-        return {"preempted": (exc.epoch, exc.batches)}
-    return {"steps": handler.global_step} if phase == "second" else _outcome(handler, ckpt)
+    if phase == "second":  # resumed at step 4: out of time after step 5, then SIGTERM on rank 1 after step 8
+        handler = build_deciding(best, ckpt, resume="auto", check_every=1,
+                                 callbacks=[AtStep(8, sigterm_to(os.getpid), rank=1)])
+        handler.train(EPOCHS, max_time=1e-6, progress=False)
+        steps = handler.global_step
+        try:
+            handler.train(EPOCHS, progress=False)
+        except TrainingPreempted as exc:
+            return {"steps": steps, "preempted": (exc.epoch, exc.batches)}
+        return {"steps": steps}
+    handler = build_deciding(best, ckpt, resume="auto")
+    handler.train(EPOCHS, progress=False)
+    return _outcome(handler, ckpt)
 
 
 def test_two_ranks_stopped_inside_epochs_decide_as_an_uninterrupted_run(tmp_path):
@@ -242,9 +248,9 @@ def test_two_ranks_stopped_inside_epochs_decide_as_an_uninterrupted_run(tmp_path
     for r in first:
         assert {**r["same"], "stopped": True, "steps": None} == {**r["straight"], "steps": None}
         assert r["same"]["steps"] == 5
-    assert [r["steps"] for r in run("second")] == [5, 5]  # out of time after step 5, inside epoch 2
-    assert [r["preempted"] for r in run("third")] == [(3, 4), (3, 4)]  # SIGTERM on rank 1 after step 8
-    assert [r for r in run("fourth")] == [r["straight"] for r in first]
+    # Stopped inside epoch 2 (3 steps an epoch), then inside epoch 3, by the signal rank 1 alone got.
+    assert run("second") == [{"steps": 5, "preempted": (3, 4)}] * 2
+    assert run("last") == [r["straight"] for r in first]
 
 
 # ---------------------------------------------------------------- a run owns what it writes
