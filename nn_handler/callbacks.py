@@ -56,6 +56,7 @@ class TrainerView(Protocol):
     epoch: int
     global_step: int
     stop_training: bool
+    partial_epoch: bool  # the epoch ends part-way (max_steps, max_time): its values are not the epoch's
     distributed: bool
     rank: int
     world_size: int
@@ -84,6 +85,14 @@ class Callback:
     rank). A callback with state to keep across a resume returns it from
     :meth:`state_dict` (tensors and plain Python values only).
 
+    When ``max_steps`` or ``max_time`` stops training inside an epoch, that
+    part of the epoch still ends with ``on_validation_end`` and
+    ``on_epoch_end``, with ``handler.partial_epoch`` True: its values cover
+    only the batches trained so far, and the run that continues the epoch
+    calls the hooks again for the whole of it. A callback that decides
+    something from the values (stop, keep a best) returns at once for a
+    part, as the built-in ones do; a logger may record it.
+
     Example:
         >>> class CountBatches(Callback):
         ...     def __init__(self):
@@ -102,7 +111,7 @@ class Callback:
         """Before the first batch of ``epoch``."""
 
     def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
-        """After validation, the scheduler step and the History update of ``epoch``."""
+        """After validation, the scheduler step and the History update of ``epoch`` (or of its part)."""
 
     def on_batch_begin(self, handler: TrainerView, step: int) -> None:
         """Before batch ``step`` (from 0 within the epoch) is moved to the device."""
@@ -167,7 +176,8 @@ class EarlyStopping(Callback):
 
     The monitored value is reduced over all ranks before this runs, and the
     handler agrees on the stop flag across ranks, so every rank stops after
-    the same epoch.
+    the same epoch. Part of an epoch (``handler.partial_epoch``) counts for
+    nothing: the whole epoch decides once it is complete.
 
     Args:
         monitor: History key, e.g. ``"val_loss"``, ``"train_loss"``, ``"val_acc"``.
@@ -202,6 +212,8 @@ class EarlyStopping(Callback):
         return self._monitor.best
 
     def on_epoch_end(self, handler, epoch, logs):
+        if getattr(handler, "partial_epoch", False):
+            return
         value = self._monitor.value(logs, "EarlyStopping")
         if self._monitor.improved(value):
             self._monitor.best, self.wait = value, 0
@@ -227,7 +239,9 @@ class ModelCheckpoint(Callback):
     (with ``save_best_only``, ``best.ckpt`` instead, only when ``monitor``
     improved) and ``last.ckpt`` after every epoch when ``save_last``. Each
     write is atomic; each file resumes training with
-    :meth:`NNHandler.load_checkpoint`.
+    :meth:`NNHandler.load_checkpoint`. Where ``max_steps`` or ``max_time``
+    stops an epoch part-way, only ``last.ckpt`` is written (it resumes at the
+    next batch): the epoch's file and "best" wait for the whole epoch.
 
     Args:
         dirpath: Directory for the files (created when needed).
@@ -258,7 +272,7 @@ class ModelCheckpoint(Callback):
         return self._monitor.best
 
     def on_epoch_end(self, handler, epoch, logs):
-        if epoch % self.every_n_epochs == 0:
+        if epoch % self.every_n_epochs == 0 and not getattr(handler, "partial_epoch", False):
             if self.save_best_only:
                 value = self._monitor.value(logs, "ModelCheckpoint")
                 if self._monitor.improved(value):

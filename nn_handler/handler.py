@@ -262,6 +262,8 @@ class NNHandler:
     global_step = state_property("global_step", "Optimizer steps taken.")
     stop_training = state_property("stop_training", "Set to True (by a callback) to stop after the current epoch.")
     history = state_property("history", "The History of completed epochs.")
+    partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
+                             "or max_time stopped an epoch part-way (its hooks included) until it is continued.")
     grad_accum_steps = config_property("grad_accum_steps")
     clip_grad_norm = config_property("clip_grad_norm")
     finite_check_every = config_property("finite_check_every")

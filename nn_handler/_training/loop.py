@@ -181,6 +181,12 @@ class Loop:
         if bad:
             M.raise_nonfinite(epoch, bad, parts.distributed)
 
+        partial = train["partial"]
+        if partial is not None:
+            # Where this part ended, so that the next train() (or a resume from
+            # a checkpoint, one a hook writes included) continues at the next
+            # batch. Set before the hooks: handler.partial_epoch tells them.
+            state.resume_partial = partial
         k = len(train["sums"])
         row: dict[str, Any] = {"epoch": epoch, **M.means("train_", totals[:k], config.metrics)}
         if validate:
@@ -192,7 +198,6 @@ class Loop:
         row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
                    samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
         row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
-        partial = train["partial"]
         state.drop_partial_row()  # the row of this epoch's first part, before a step or time limit stopped it
         state.partial_row = partial is not None
         if partial is None:
@@ -200,10 +205,6 @@ class Loop:
             # were: the run that continues it steps them when it completes.
             _step_scheduler(parts.scheduler, row)
             state.epoch = epoch
-        else:
-            # Where this part ended, so that the next train() (or a resume
-            # from its checkpoint) continues at the next batch.
-            state.resume_partial = partial
         state.history.append(row)
         if parts.is_main_process:
             log.info("epoch %d%s%s: %s", epoch, "" if limits.epochs is None else f"/{limits.epochs}",

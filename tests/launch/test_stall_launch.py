@@ -50,6 +50,30 @@ def test_launch_raises_collective_stall_error_naming_the_rank_stuck_in_a_trainin
     assert "time.sleep(60)  # rank 1 is stuck in a callback" in report
 
 
+def test_launch_names_the_line_of_a_function_sent_by_value(tmp_path, monkeypatch):
+    # A local function travels by value (cloudpickle >= 3.1 renames its file "<dynamic-code>").
+    def body():
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        from nn_handler import watch_collectives
+
+        with watch_collectives():
+            if dist.get_rank() == 1:
+                time.sleep(60)  # rank 1 is late, by value
+            dist.all_reduce(torch.ones(1))
+
+    monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", "3")
+    monkeypatch.setenv("NN_HANDLER_STALL_DIR", str(tmp_path))
+    with pytest.raises(CollectiveStallError) as info:
+        NNHandler.launch(body, nprocs=2, timeout=100)
+    line = body.__code__.co_firstlineno + 10
+    assert f"rank 1 is at {__file__}:{line} (body)" in str(info.value)
+    assert "time.sleep(60)  # rank 1 is late, by value" in Path(info.value.report_path).read_text()
+
+
 def test_torchrun_exits_non_zero_with_the_report_in_the_error_file(tmp_path):
     result = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           f"--master_port={find_free_port()}", str(SCRIPT)], timeout=120, cwd=tmp_path,

@@ -292,6 +292,19 @@ def test_the_remote_traceback_is_the_cause_of_the_error(pool):
     assert isinstance(back.__cause__, type(info.value.__cause__)) and str(back.__cause__) == str(info.value.__cause__)
 
 
+def test_the_remote_traceback_of_a_function_sent_by_value_names_its_file_line_and_source(pool):
+    # A local function travels by value; cloudpickle >= 3.1 renames its file "<dynamic-code>".
+    def check(device):
+        assert device is None, "no device"  # the failing line
+
+    line = check.__code__.co_firstlineno + 1
+    with pytest.raises(ParallelExecutionError) as info:
+        pool.run(check)
+    text = info.value.failures[0].traceback
+    assert f'File "{__file__}", line {line}, in check' in text, text
+    assert 'assert device is None, "no device"  # the failing line' in text and "<dynamic-code>" not in text
+
+
 def test_a_worker_that_died_has_no_remote_traceback_to_show():
     from nn_handler.errors import RankFailure
 

@@ -229,7 +229,9 @@ def test_helper_reports_exceptions_per_rank():
     results = run_distributed(body, nprocs=2, timeout=90)
     assert results[0] == "fine"
     assert isinstance(results[1], ValueError) and "boom on one" in str(results[1])
-    assert "raise ValueError" in results[1].remote_traceback
+    # The body travels by value: the traceback still names this file, its line and its text.
+    line = body.__code__.co_firstlineno + 2
+    assert f'File "{__file__}", line {line}, in body\n    raise ValueError' in results[1].remote_traceback
 
 
 def test_helper_names_ranks_that_hang_and_kills_them():

@@ -20,7 +20,8 @@ from nn_handler.checkpoint import (FORMAT, atomic_save, list_run_checkpoints, lo
                                    run_checkpoint_key)
 from nn_handler.errors import CheckpointError, ConfigurationError
 from nn_handler.testing import run_distributed
-from scripts.scale_case import EPOCHS, AtStep, build, sigterm_to, summary
+from scripts.scale_case import EPOCHS, AtStep, build, build_deciding, decisions, sigterm_to, summary
+from scripts.scale_case import outcome as _outcome
 
 TIMEOUT = 150
 
@@ -151,6 +152,105 @@ def test_no_checkpoint_yet_starts_from_the_beginning(tmp_path, straight):
     handler = build(tmp_path / "empty", resume="auto")
     handler.train(EPOCHS, progress=False)
     assert summary(handler) == straight
+
+
+# ---------------------------------------------------------------- a stop inside an epoch decides nothing
+# build_deciding: EarlyStopping and ModelCheckpoint(save_best_only) on train_loss, over data whose first
+# half is easy, so a part of an epoch looks better than the whole of it. Uninterrupted, the run stops
+# early after epoch 4 (of 4) and best.ckpt holds epoch 4's weights.
+
+
+@pytest.fixture(scope="module")
+def deciding(tmp_path_factory):
+    """The uninterrupted single-process run of build_deciding."""
+    where = tmp_path_factory.mktemp("deciding")
+    handler = build_deciding(where / "best", where / "ckpt")
+    handler.train(EPOCHS, progress=False)
+    outcome = _outcome(handler, where / "ckpt")
+    assert outcome["stopper"]["stopped_epoch"] == 4 and outcome["stopped"] is True  # the case decides something
+    return outcome
+
+
+def test_stops_inside_epochs_then_continuing_in_the_same_handler_decide_as_an_uninterrupted_run(tmp_path,
+                                                                                                deciding):
+    handler = build_deciding(tmp_path / "best")
+    handler.train(EPOCHS, max_steps=8, progress=False)  # 2 of epoch 2's 6 steps: its easy part
+    assert handler.partial_epoch and handler.history["epoch"] == [1, 2] and not handler.stop_training
+    assert decisions(handler)["best"][:2] == (1, 6)  # best.ckpt holds epoch 1, not the part of epoch 2
+    handler.train(EPOCHS, max_time=1e-6, progress=False)  # out of time after the next step
+    assert handler.global_step == 9 and handler.partial_epoch
+    handler.train(EPOCHS, progress=False)
+    assert not handler.partial_epoch
+    assert {**_outcome(handler), "stopped": True} == deciding
+
+
+def test_stops_inside_epochs_then_auto_resumes_decide_as_an_uninterrupted_run(tmp_path, deciding):
+    best, ckpt = tmp_path / "best", tmp_path / "ckpt"
+    build_deciding(best, ckpt).train(EPOCHS, max_steps=8, progress=False)
+    torch.rand(5)  # a new process would start from other random states
+    second = build_deciding(best, ckpt, resume="auto")
+    second.train(EPOCHS, max_time=1e-6, progress=False)
+    assert second.global_step == 9
+    # SIGTERM after step 15, the 3rd of epoch 3's 6 steps.
+    with pytest.raises(TrainingPreempted) as info:
+        build_deciding(best, ckpt, resume="auto", callbacks=[AtStep(15, sigterm_to(os.getpid))]).train(
+            EPOCHS, progress=False)
+    assert (info.value.epoch, info.value.batches) == (3, 6)
+    last = build_deciding(best, ckpt, resume="auto")
+    last.train(EPOCHS, progress=False)
+    assert _outcome(last, ckpt) == deciding
+    again = build_deciding(best, ckpt, resume="auto")  # the job rerun: it stopped early, as the straight run did
+    again.train(EPOCHS, progress=False)
+    assert again.global_step == 24 and again.history["epoch"] == [1, 2, 3, 4]
+
+
+def _deciding_body(rank, where, phase):
+    import os
+    from pathlib import Path
+
+    from nn_handler import TrainingPreempted
+    from scripts.scale_case import EPOCHS, AtStep, build_deciding, sigterm_to
+    from scripts.scale_case import outcome as _outcome
+
+    where = Path(where)
+    best, ckpt = where / "best", where / "ckpt"
+    if phase == "first":  # the uninterrupted run, the same-handler continuation, and a run stopped at step 4
+        straight = build_deciding(where / "straight-best", where / "straight-ckpt")
+        straight.train(EPOCHS, progress=False)
+        same = build_deciding(where / "same-best", check_every=1)
+        same.train(EPOCHS, max_steps=4, progress=False)  # 1 of epoch 2's 3 steps
+        same.train(EPOCHS, max_time=1e-6, progress=False)  # out of time after the next
+        steps = same.global_step
+        same.train(EPOCHS, progress=False)
+        build_deciding(best, ckpt).train(EPOCHS, max_steps=4, progress=False)
+        return {"straight": _outcome(straight, where / "straight-ckpt"), "same": {**_outcome(same), "steps": steps}}
+    if phase == "second":  # resumed at step 4: out of time after step 5, then SIGTERM on rank 1 after step 8
+        handler = build_deciding(best, ckpt, resume="auto", check_every=1,
+                                 callbacks=[AtStep(8, sigterm_to(os.getpid), rank=1)])
+        handler.train(EPOCHS, max_time=1e-6, progress=False)
+        steps = handler.global_step
+        try:
+            handler.train(EPOCHS, progress=False)
+        except TrainingPreempted as exc:
+            return {"steps": steps, "preempted": (exc.epoch, exc.batches)}
+        return {"steps": steps}
+    handler = build_deciding(best, ckpt, resume="auto")
+    handler.train(EPOCHS, progress=False)
+    return _outcome(handler, ckpt)
+
+
+def test_two_ranks_stopped_inside_epochs_decide_as_an_uninterrupted_run(tmp_path):
+    run = lambda phase: _ok(run_distributed(_deciding_body, 2, args=(str(tmp_path), phase), timeout=TIMEOUT))
+    first = run("first")
+    straight = first[0]["straight"]
+    assert straight["stopper"]["stopped_epoch"] is not None and straight["stopped"] is True
+    assert first[1]["straight"]["hash"] == straight["hash"]
+    for r in first:
+        assert {**r["same"], "stopped": True, "steps": None} == {**r["straight"], "steps": None}
+        assert r["same"]["steps"] == 5
+    # Stopped inside epoch 2 (3 steps an epoch), then inside epoch 3, by the signal rank 1 alone got.
+    assert run("second") == [{"steps": 5, "preempted": (3, 4)}] * 2
+    assert run("last") == [r["straight"] for r in first]
 
 
 # ---------------------------------------------------------------- a run owns what it writes

@@ -55,8 +55,12 @@ def weights(model: nn.Module) -> list[float]:
 
 
 def weights_hash(model: nn.Module) -> str:
+    return weights_hash_of(model.state_dict())
+
+
+def weights_hash_of(state_dict: dict) -> str:
     h = hashlib.sha256()
-    for key, tensor in model.state_dict().items():
+    for key, tensor in state_dict.items():
         h.update(key.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 try:  # run as a script: tests/scripts is on sys.path
-    from handler_case import make_data, make_model, mae, weights_hash
+    from handler_case import make_data, make_model, mae, weights_hash, weights_hash_of
 except ImportError:  # imported by the tests as scripts.scale_case
-    from scripts.handler_case import make_data, make_model, mae, weights_hash
-from nn_handler import Callback, EarlyStopping, NNHandler
+    from scripts.handler_case import make_data, make_model, mae, weights_hash, weights_hash_of
+from nn_handler import Callback, EarlyStopping, ModelCheckpoint, NNHandler
+from nn_handler.checkpoint import list_run_checkpoints, load_payload
 
 EPOCHS = 4
 HISTORY_KEYS = ("train_loss", "train_mae", "val_loss", "val_mae", "lr")
@@ -44,6 +45,39 @@ def build(checkpoint_dir=None, resume=None, callbacks=(), check_every=None, **kw
     handler.set_train_loader((X, y), batch_size=8)
     handler.set_val_loader((Xv, yv), batch_size=8)
     return handler
+
+
+def build_deciding(best_dir, checkpoint_dir=None, resume=None, callbacks=(), check_every=None) -> NNHandler:
+    """:func:`build` with callbacks that decide from each epoch's values, on data whose first half is easy.
+
+    Samples in order of the size of their target (no shuffle): a part of an
+    epoch has a lower ``train_loss`` than the whole, so any callback that took
+    a part for the whole would decide otherwise than an uninterrupted run.
+    """
+    X, y = make_data(90)
+    order = y.abs().flatten().argsort()
+    handler = build(checkpoint_dir, resume, check_every=check_every, callbacks=[
+        EarlyStopping("train_loss", patience=1, min_delta=0.5),
+        ModelCheckpoint(best_dir, monitor="train_loss", save_best_only=True, save_last=False), *callbacks])
+    handler.set_train_loader((X[order], y[order]), batch_size=8, shuffle=False)
+    return handler
+
+
+def decisions(handler: NNHandler) -> dict:
+    """What the deciding callbacks of :func:`build_deciding` hold, and the best checkpoint they wrote."""
+    stopper, keeper = handler.callbacks[1], handler.callbacks[2]
+    best = load_payload(keeper.best_path) if keeper.best_path else None
+    return {"stopper": stopper.state_dict(), "keeper": {**keeper.state_dict(), "best_path": None},
+            "best": best and (best["epoch"], best["global_step"], best["history"]["train_loss"],
+                              weights_hash_of(best["model"]))}
+
+
+def outcome(handler: NNHandler, checkpoint_dir=None) -> dict:
+    """:func:`summary` and :func:`decisions` of a :func:`build_deciding` run, and its newest checkpoint's stop mark."""
+    stopped = None
+    if checkpoint_dir is not None:
+        stopped = load_payload(list_run_checkpoints(checkpoint_dir)[-1])["stopped"]
+    return {**summary(handler), **decisions(handler), "stop_training": handler.stop_training, "stopped": stopped}
 
 
 def summary(handler: NNHandler) -> dict:

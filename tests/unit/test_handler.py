@@ -53,8 +53,11 @@ def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopp
     ends = []
 
     class Ends(Callback):
+        def on_validation_end(self, handler, epoch, logs):
+            ends.append(("val", epoch, handler.partial_epoch))
+
         def on_epoch_end(self, handler, epoch, logs):
-            ends.append((epoch, handler.epoch, handler.global_step, logs["train_loss"]))
+            ends.append((epoch, handler.epoch, handler.global_step, handler.partial_epoch))
 
     def run(*calls):
         handler = make_handler(make_model(dropout=0.2), seed=5, callbacks=[Ends()])
@@ -68,7 +71,9 @@ def test_max_steps_stops_mid_epoch_and_the_next_call_continues_as_if_never_stopp
     ends.clear()
     stopped = run({"epochs": 3, "max_steps": 17})
     assert (stopped.global_step, stopped.epoch, stopped.history["epoch"]) == (17, 1, [1, 2])
-    assert [e[:3] for e in ends] == [(1, 1, 12), (2, 1, 17)]  # on_epoch_end saw the partial epoch
+    # The hooks saw the partial epoch, and were told so.
+    assert ends == [("val", 1, False), (1, 1, 12, False), ("val", 2, True), (2, 1, 17, True)]
+    assert stopped.partial_epoch
     assert stopped.history["lr"] == [0.05, 0.05]  # the scheduler did not step for it
     assert stopped.history["val_loss"][1] is not None
     stopped.train(3, max_steps=30, progress=False)  # the step limit counts from the start of training

@@ -20,6 +20,7 @@ import cloudpickle
 from ..._checks import check_choice, check_int, check_number, invalid
 from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
+from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .transport import Encoder, PackedFunction
@@ -284,7 +285,7 @@ class ParallelExecutor(concurrent.futures.Executor):
                 raise TypeError(f"initializer must be callable, got {type(initializer).__name__}")
             position = _device_position(initializer, self.pass_device)
             try:
-                init_blob = cloudpickle.dumps(((initializer, position), tuple(initargs)))
+                init_blob = pickler.dumps(((initializer, position), tuple(initargs)))
             except Exception:
                 _pickle_call(initializer, self.pass_device)
                 _check_picklable(tuple(initargs), {}, initializer)

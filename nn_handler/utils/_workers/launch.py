@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
 import threading
 import time
 from typing import Any, Callable
-
-import cloudpickle
 
 from ..._checks import check_int, check_number
 from ...errors import (
@@ -51,6 +50,7 @@ from ...errors import (
     WorkerDiedError,
 )
 from .._devices import cuda_count
+from . import pickler
 from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _threads_per_worker
 from .worker import main_module_hidden
 
@@ -83,7 +83,7 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
     os.environ.update(setup.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(setup.nprocs),
                       LOCAL_WORLD_SIZE=str(setup.nprocs))
     torch.set_num_threads(setup.threads)
-    fn, args, kwargs = cloudpickle.loads(payload)
+    fn, args, kwargs = pickle.loads(payload)
     if setup.join:
         from ..ddp import initialize_ddp
 
@@ -144,7 +144,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     from ..ddp import find_free_port
 
     try:
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+        payload = pickler.dumps((fn, tuple(args), dict(kwargs)))  # tracebacks name the user's file
     except Exception:
         _pickle_call(fn, False)  # names the function or the argument that cannot travel
         _check_picklable(tuple(args), dict(kwargs), fn)

@@ -1,7 +1,8 @@
 """Serialisation between the caller and its workers: cloudpickle, with large tensors in shared memory.
 
 Small objects travel as cloudpickle bytes (lambdas, closures and functions
-defined in ``__main__`` or a notebook included). A CPU tensor of at least
+defined in ``__main__`` or a notebook included; their code keeps the name of
+its file, see :mod:`.pickler`). A CPU tensor of at least
 ``SHM_THRESHOLD`` bytes is copied once into a file under ``/dev/shm`` and only
 its name travels; the receiver maps that file (torch owns the mapping, so it is
 released with the tensor) and unlinks the name at once.
@@ -49,10 +50,10 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import cloudpickle
 import torch
 
 from . import lending
+from .pickler import Pickler
 from .function_memo import fresh_copy
 
 SHM_DIR_ENV = "NN_HANDLER_SHM_DIR"
@@ -145,7 +146,7 @@ def _plain(obj, depth: int = 0) -> bool:
     return False
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(Pickler):
     def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool, spill: bool = False,
                  probe: bool = False, lent: lending.WorkerFiles | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
