@@ -336,3 +336,40 @@ def _long_save_on_rank_0(rank, directory):
 def test_a_long_on_rank_function_is_no_stall_for_the_ranks_waiting_for_it(tmp_path):
     assert _run(_long_save_on_rank_0, str(tmp_path)) == ["saved", "saved"]
     assert not list(tmp_path.glob("nn_handler-stall-*"))
+
+
+def _collective_inside_rank_0_work(rank, directory, where):
+    os.chdir(directory)
+    from nn_handler.utils.ddp_decorators import main_process_first
+
+    @on_rank(0)
+    def save():
+        dist.barrier()  # rank 0 waits in a barrier the others never join
+        return "saved"
+
+    if where == "on_rank":
+        return save()
+    with main_process_first():
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 0 waits in an all_reduce the others never join
+    return "done"
+
+
+@pytest.mark.parametrize("where, collective, task, marker", [
+    ("on_rank", "barrier", "_collective_inside_rank_0_work.<locals>.save",
+     "rank 0 waits in a barrier the others never join"),
+    ("main_process_first", "all_reduce", "main_process_first block",
+     "rank 0 waits in an all_reduce the others never join")])
+def test_a_collective_inside_rank_0_work_is_reported_without_the_debug_guard(tmp_path, where, collective, task,
+                                                                              marker):
+    # The others wait for the work to end and are no stall; rank 0, waiting inside it, is.
+    results = _run(_collective_inside_rank_0_work, str(tmp_path), where, env={**STALL, "NN_HANDLER_DEBUG": "0"})
+    error = results[1]
+    assert isinstance(error, CollectiveStallError), results
+    assert error.collective == f"status exchange of {task}" and error.missing == (0,), str(error)
+    assert f"rank 0 is at {HERE}:{_line(marker)}" in str(error)
+    assert f"rank 0 waits in {collective} inside {task}, which not every rank runs" in str(error)
+    # Rank 0 is blocked in C: it exits after writing its report, which wakes rank 1.
+    assert isinstance(results[0], (CollectiveStallError, RemoteFailure)), results[0]
+    report = (tmp_path / "nn_handler-stall-rank0.txt").read_text()
+    assert f"# {marker}" in report and "<- MISSING" in report
