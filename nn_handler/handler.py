@@ -46,7 +46,7 @@ from ._training.config import Resume, TrainingConfig, config_property, seed_ever
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts
 from ._training.sharded_checkpoint import load_model
-from ._training.sharding import full_model_state, shard_model
+from ._training.sharding import shard_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -576,7 +576,7 @@ class NNHandler:
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
         """
-        R.write_on_main(self._parts(), full_model_state(self.module), path, "model")
+        R.export_model(self._parts(), path)
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).

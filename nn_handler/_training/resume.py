@@ -32,11 +32,12 @@ from ..checkpoint import (
     scan_run_checkpoints,
 )
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
-from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
+from ..utils._collectives import agree_on_failure, check_collective_allowed, gather, run_on_ranks, side_group
 from . import sharded_checkpoint
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import Parts
+from .sharding import full_model_state
 from .state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
 def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
          seq: int | None = None) -> None:
     """Gather every rank's random state (and mid-epoch part), then write the checkpoint from rank 0."""
+    check_collective_allowed("NNHandler.save_checkpoint")  # a gather: refused where not every rank is
     mine = (capture_rng_state(), partial)
     everyone = [mine]
     if parts.in_group:
@@ -109,6 +111,12 @@ def on_main(parts: Parts, fn: Callable[[], Any], what: str,
     if not parts.in_group:
         return fn() if parts.is_main_process else None  # a handler told use_distributed=False decides alone
     return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=peer_error)
+
+
+def export_model(parts: Parts, path) -> None:
+    """The whole model's ``state_dict`` as one file from rank 0 (a sharded model's gathered first); on every rank."""
+    check_collective_allowed("NNHandler.export_model")  # the gather of a sharded model hangs where not every rank is
+    write_on_main(parts, full_model_state(parts.module), path, "model")
 
 
 def write_on_main(parts: Parts, payload: Any, path, what: str) -> None:

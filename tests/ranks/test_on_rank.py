@@ -719,3 +719,37 @@ def test_the_debug_guard_refuses_only_a_collective_that_a_rank_outside_the_funct
     assert kind == "RuntimeError" and "torch.distributed.all_reduce was called inside" in message
     assert "only ranks 0, 1 runs: rank 2 never join" in message
     assert results[2][1][0].startswith("RankFailedError")
+
+
+def _handler_inside_on_rank(rank, strategy):
+    from nn_handler import NNHandler
+    from scripts.handler_case import make_data, make_model
+
+    handler = NNHandler(make_model(), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
+                        device="cpu", strategy=strategy, stall_timeout=None)
+    X, y = make_data(16)
+    calls = {"save_model": lambda: handler.save_model("never.pt"),
+             "export_model": lambda: handler.export_model("never.pt"),
+             "save_checkpoint": lambda: handler.save_checkpoint("never.ckpt"),
+             "evaluate": lambda: handler.evaluate((X, y)),
+             "predict": lambda: handler.predict(X)}
+    seen = {name: _outcome(on_rank(0)(call)) for name, call in calls.items()}
+    return seen, handler.evaluate((X, y))["loss"]  # after: the ranks are still in step
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_collective_handler_methods_inside_on_rank_raise_at_once_saying_to_call_them_on_every_rank(strategy, tmp_path,
+                                                                                                     monkeypatch):
+    # Under FSDP the gathered state and the sharded forward are collectives: they waited for
+    # rank 1, which waits for the on_rank function, until the group's timeout.
+    monkeypatch.chdir(tmp_path)
+    (zero, after_zero), (one, after_one) = run_distributed(_handler_inside_on_rank, nprocs=2, args=(strategy,),
+                                                           timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    for name, (kind, message) in zero.items():
+        method = "export_model" if name == "save_model" else name
+        assert kind == "RuntimeError" and f"NNHandler.{method} was called inside an on_rank function" in message, \
+            (name, kind, message)
+        assert "call it outside, on every rank" in message
+        assert one[name][0].startswith("RankFailedError"), one[name]
+    assert after_zero == after_one
+    assert not list(tmp_path.glob("never*"))
