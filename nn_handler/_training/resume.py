@@ -100,8 +100,12 @@ def save_run_checkpoint(parts: Parts, config: TrainingConfig, state: TrainingSta
     else:
         path = config.checkpoint_dir / run_checkpoint_name(state.epoch + 1, partial["batches"])
         save(parts, state, path, partial, seq=state.run_seq)
-    if parts.is_main_process:
-        prune_run_checkpoints(config.checkpoint_dir, config.keep_last, run_id=state.run_id)
+    # In an on_rank exchange: the others wait for it however long the deletion takes (no stall), and
+    # every rank raises if it fails.
+    on_main(parts, functools.partial(prune_run_checkpoints, config.checkpoint_dir, config.keep_last,
+                                     run_id=state.run_id),
+            f"the pruning of checkpoint_dir {config.checkpoint_dir}",
+            lambda err: CheckpointError(f"rank 0 could not prune {config.checkpoint_dir}; see rank 0's error"))
     return path
 
 
@@ -156,14 +160,19 @@ def start_run(parts: Parts, config: TrainingConfig, state: TrainingState) -> Non
     if plan["path"] is not None:
         _resume_from(parts, state, Path(plan["path"]), loaded.get("payload"), plan["why"])
     state.run_seq = max(state.run_seq, plan["seq"])
-    if parts.is_main_process and plan["delete"]:
-        for name in plan["delete"]:
-            try:
-                (directory / name).unlink()
-            except FileNotFoundError:
-                pass
-        log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s",
-                    directory, ", ".join(plan["delete"]))
+    if plan["delete"]:  # in an on_rank exchange, as pruning is
+        on_main(parts, functools.partial(_delete_others, directory, plan["delete"]),
+                f"the deletion of another run's checkpoints from {directory}",
+                lambda err: CheckpointError(f"rank 0 could not delete the checkpoints of another run from {directory}"))
+
+
+def _delete_others(directory: Path, names: list[str]) -> None:
+    for name in names:
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            pass
+    log.warning("overwrite=True: deleted the checkpoints of another run from %s: %s", directory, ", ".join(names))
 
 
 def _plan_run(config: TrainingConfig, state: TrainingState) -> tuple[dict[str, Any] | None, dict[str, Any]]:
