@@ -599,7 +599,7 @@ class NNHandler:
 
     @staticmethod
     def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeout: float | None = None,
-               **kwargs: Any) -> Any:
+               stall_timeout: float | None | str = "env", **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in each process of a new local DDP group; return rank 0's result.
 
         Starts ``nprocs`` processes (one per GPU by default, with NCCL; gloo on
@@ -615,6 +615,7 @@ class NNHandler:
             nprocs: Number of processes.
             timeout: Seconds before the call is abandoned and its processes
                 killed (``TimeoutError``); no limit by default.
+            stall_timeout: The ranks' stall watchdog, as on ``NNHandler``; a number wins over the variable.
             **kwargs: Its keyword arguments.
 
         Returns:
@@ -636,7 +637,7 @@ class NNHandler:
         """
         from .utils._workers.launch import launch
 
-        return launch(fn, args, kwargs, nprocs, timeout)
+        return launch(fn, args, kwargs, nprocs, timeout, stall_timeout)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -68,26 +68,36 @@ def resolve_stall_timeout(value="env", environ: Mapping[str, str] | None = None)
     """Seconds a rank may wait in a collective for a missing rank; ``None``: no watchdog.
 
     The keyword wins; ``"env"`` reads ``NN_HANDLER_STALL_TIMEOUT`` (seconds,
-    or ``none``/``off``), default 300 s.
+    ``inf``, or ``none``/``off``), default 300 s. ``inf``: the watchdog still
+    names a rank that died, but never calls a wait a stall. Less than the
+    watchdog's sampling period (1 s) is refused: it could not tell such a wait.
 
     Example:
         >>> resolve_stall_timeout(None), resolve_stall_timeout("env", {}), resolve_stall_timeout("env", {ENV_VAR: "3"})
         (None, 300.0, 3.0)
+        >>> resolve_stall_timeout("env", {ENV_VAR: "inf"}) == resolve_stall_timeout(float("inf"))
+        True
     """
     if not isinstance(value, str) or value != "env":
-        return check_number("stall_timeout", value, unit="seconds", allow_none=True)
-    environ = os.environ if environ is None else environ
-    text = environ.get(ENV_VAR, "").strip()
-    if not text:
-        return DEFAULT_STALL_TIMEOUT
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = None
-    if seconds is None or not seconds > 0 or seconds == float("inf"):
-        raise invalid(ENV_VAR, "a number of seconds > 0, or 'none' to turn the stall watchdog off", text)
+        name, seconds = "stall_timeout", check_number("stall_timeout", value, unit="seconds", allow_none=True)
+    else:
+        environ = os.environ if environ is None else environ
+        name, value = ENV_VAR, environ.get(ENV_VAR, "").strip()
+        if not value:
+            return DEFAULT_STALL_TIMEOUT
+        if value.lower() in ("none", "off"):
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = None
+        if seconds is None or not seconds > 0:
+            raise invalid(ENV_VAR, "a number of seconds > 0 (or inf), or 'none' to turn the stall watchdog off",
+                          value)
+    if seconds is not None and seconds < BEAT_S:
+        raise invalid(name, f"at least {BEAT_S:g} s, the stall watchdog's sampling period (it looks at each rank once "
+                            f"every {BEAT_S:g} s, so a shorter wait cannot be told)", value,
+                      hint="None (or 'none' in the variable) turns the watchdog off")
     return seconds
 
 

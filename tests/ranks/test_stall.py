@@ -375,6 +375,19 @@ def test_a_collective_inside_rank_0_work_is_reported_without_the_debug_guard(tmp
     assert f"# {marker}" in report and "<- MISSING" in report
 
 
+def _watchdog_timeout(rank):
+    from nn_handler.utils import _stall
+
+    dog = _stall.current()
+    return None if dog is None else dog.timeout
+
+
+@pytest.mark.parametrize("keyword, variable, expected", [(2, "none", 2), (None, "7", None), ("env", "inf", float("inf"))])
+def test_run_distributed_stall_timeout_wins_over_the_variable(keyword, variable, expected):
+    env = {"NN_HANDLER_STALL_TIMEOUT": variable}
+    assert run_distributed(_watchdog_timeout, 2, timeout=DEADLINE, env=env, stall_timeout=keyword) == [expected] * 2
+
+
 def _slow_deletions_on_rank_0(rank, directory, which):
     os.chdir(directory)  # where a report would go
     from pathlib import Path
