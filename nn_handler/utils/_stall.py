@@ -92,8 +92,7 @@ def resolve_stall_timeout(value="env", environ: Mapping[str, str] | None = None)
         except ValueError:
             seconds = None
         if seconds is None or not seconds > 0:
-            raise invalid(ENV_VAR, "a number of seconds > 0 (or inf), or 'none' to turn the stall watchdog off",
-                          value)
+            raise invalid(ENV_VAR, "a number of seconds > 0 (or inf), or 'none' to turn the stall watchdog off", value)
     if seconds is not None and seconds < BEAT_S:
         raise invalid(name, f"at least {BEAT_S:g} s, the stall watchdog's sampling period (it looks at each rank once "
                             f"every {BEAT_S:g} s, so a shorter wait cannot be told)", value,
@@ -248,8 +247,7 @@ class Watchdog:
             # backward): not waiting in it, and the ranks that do wait there wait for this one.
             collective, inside = None, collective
         elif collective is None and (now.auto or now.task is not None):
-            # Inside rank-restricted work, a torch collective is watched without asking: the ranks
-            # that do not run the work wait for it to end, and never join that collective.
+            # Inside rank-restricted work too: the others wait for the work to end, never for that collective.
             collective = _torch_collective(frames)
         where = self._own_where or _where(_user_frame(frames))
         key = f"{collective}@{where}#{now.entries}"
@@ -383,8 +381,7 @@ class Watchdog:
     def _interrupt(self) -> None:
         """Make the watched thread raise the error; exit the process when it cannot be reached."""
         blocked = self._seen[0].split("@")[0] != "None"  # in a collective when last seen
-        # Blocked inside rank-restricted work: the cause. Its peers wait for the work, not for the
-        # collective, and only wake when it leaves: it exits first (as a rank stuck in C code does).
+        # Blocked inside rank-restricted work, the cause: its peers wake only when it leaves, so it exits first.
         cause = blocked and self.now.task is not None
         if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) is _on_interrupt \
                 and self.now.thread == threading.main_thread().ident:
