@@ -47,7 +47,6 @@ from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
 from ._training.sharded_checkpoint import load_model
-from ._training.sharding import full_model_state
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -573,7 +572,7 @@ class NNHandler:
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
         """
-        R.write_on_main(self._parts(), R.plain_keys(full_model_state(self.module)), path, "model")
+        R.export_model(self._parts(), path)
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
@@ -596,7 +595,7 @@ class NNHandler:
 
     @staticmethod
     def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeout: float | None = None,
-               **kwargs: Any) -> Any:
+               stall_timeout: float | None | str = "env", **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in each process of a new local DDP group; return rank 0's result.
 
         Starts ``nprocs`` processes (one per GPU by default, with NCCL; gloo on
@@ -612,6 +611,7 @@ class NNHandler:
             nprocs: Number of processes.
             timeout: Seconds before the call is abandoned and its processes
                 killed (``TimeoutError``); no limit by default.
+            stall_timeout: The ranks' stall watchdog, as on ``NNHandler``; a number wins over the variable.
             **kwargs: Its keyword arguments.
 
         Returns:
@@ -633,7 +633,7 @@ class NNHandler:
         """
         from .utils._workers.launch import launch
 
-        return launch(fn, args, kwargs, nprocs, timeout)
+        return launch(fn, args, kwargs, nprocs, timeout, stall_timeout)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -35,6 +35,7 @@ def run_distributed(
     backend: str = "gloo",
     env: Mapping[str, str] | None = None,
     pg_timeout: float | None = None,
+    stall_timeout: float | None | str = "env",
 ) -> list:
     """Run ``fn(rank, *args)`` on ``nprocs`` processes forming one process group.
 
@@ -56,6 +57,9 @@ def run_distributed(
         pg_timeout: Collective timeout of the group, seconds; by default half
             of ``timeout`` so a stuck collective names itself before the
             deadline kills it.
+        stall_timeout: The ranks' stall watchdog (``initialize_ddp``'s
+            ``stall_timeout``): seconds, ``None`` for none; ``"env"`` reads
+            ``NN_HANDLER_STALL_TIMEOUT``, which a number given here wins over.
 
     Returns:
         One entry per rank: what ``fn`` returned, or the exception it raised
@@ -67,4 +71,4 @@ def run_distributed(
     from .utils._workers.launch import run_ranks  # the one local launcher, NNHandler.launch's too
 
     return run_ranks(fn, nprocs, args=args, timeout=timeout, init=init, backend=backend, env=env,
-                     pg_timeout=pg_timeout)
+                     pg_timeout=pg_timeout, stall_timeout=stall_timeout)

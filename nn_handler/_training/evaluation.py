@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .._tree import to_device
 from ..errors import ConfigurationError
-from ..utils._collectives import gather, side_group
+from ..utils._collectives import check_collective_allowed, gather, side_group
 from ..utils.parallel import parallel_predict
 from . import data as D
 from . import metrics as M
@@ -74,6 +74,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
 
 def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[str, float]:
     """``{"loss": ..., "<metric>": ...}`` over ``loader``, identical on every rank."""
+    check_collective_allowed("NNHandler.evaluate")  # its sums meet in an all_reduce, a sharded forward is one
     D.check_not_empty(loader, "evaluation")
     totals, _ = M.reduce_over_ranks(eval_sums(parts, config, loader), [], parts.device, parts.distributed)
     if totals[1] == 0:
@@ -83,6 +84,7 @@ def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[s
 
 def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.Tensor:
     """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank."""
+    check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
     real = D.real_sample_count(loader)
     module = parts.module

@@ -33,12 +33,13 @@ from ..checkpoint import (
     scan_run_checkpoints,
 )
 from ..errors import CheckpointError, CheckpointMismatchError, ConfigurationError, RankFailedError
-from ..utils._collectives import agree_on_failure, gather, run_on_ranks, side_group
+from ..utils._collectives import agree_on_failure, check_collective_allowed, gather, run_on_ranks, side_group
 from . import sharded_checkpoint
 from .buffers import sync_buffers
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import Parts
+from .sharding import full_model_state
 from .state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
 def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
          seq: int | None = None) -> None:
     """Gather every rank's random state (and mid-epoch part), then write the checkpoint from rank 0."""
+    check_collective_allowed("NNHandler.save_checkpoint")  # a gather: refused where not every rank is
     sync_buffers(parts, "NNHandler.save_checkpoint")  # a sharded checkpoint would hold whichever rank's DCP keeps
     mine = (capture_rng_state(), partial)
     everyone = [mine]
@@ -117,8 +119,12 @@ def save_run_checkpoint(parts: Parts, config: TrainingConfig, state: TrainingSta
     else:
         path = config.checkpoint_dir / run_checkpoint_name(state.epoch + 1, partial["batches"])
         save(parts, state, path, partial, seq=state.run_seq)
-    if parts.is_main_process:
-        prune_run_checkpoints(config.checkpoint_dir, config.keep_last, run_id=state.run_id)
+    # In an on_rank exchange: the others wait for it however long the deletion takes (no stall), and
+    # every rank raises if it fails.
+    on_main(parts, functools.partial(prune_run_checkpoints, config.checkpoint_dir, config.keep_last,
+                                     run_id=state.run_id),
+            f"the pruning of checkpoint_dir {config.checkpoint_dir}",
+            lambda err: CheckpointError(f"rank 0 could not prune {config.checkpoint_dir}; see rank 0's error"))
     return path
 
 
@@ -128,6 +134,12 @@ def on_main(parts: Parts, fn: Callable[[], Any], what: str,
     if not parts.in_group:
         return fn() if parts.is_main_process else None  # a handler told use_distributed=False decides alone
     return run_on_ranks(side_group(), fn, what=what, broadcast=broadcast, peer_error=peer_error)
+
+
+def export_model(parts: Parts, path) -> None:
+    """The whole model's ``state_dict`` as one file from rank 0 (a sharded model's gathered first); on every rank."""
+    check_collective_allowed("NNHandler.export_model")  # the gather of a sharded model hangs where not every rank is
+    write_on_main(parts, plain_keys(full_model_state(parts.module)), path, "model")
 
 
 def write_on_main(parts: Parts, payload: Any, path, what: str) -> None:
@@ -167,7 +179,7 @@ def start_run(parts: Parts, config: TrainingConfig, state: TrainingState) -> Non
     if plan["path"] is not None:
         _resume_from(parts, state, Path(plan["path"]), loaded.get("payload"), plan["why"])
     state.run_seq = max(state.run_seq, plan["seq"])
-    if plan["delete"]:  # rank 0 deletes; when it fails there, every rank raises
+    if plan["delete"]:  # rank 0 deletes in an on_rank exchange, as pruning does; when it fails, every rank raises
         on_main(parts, functools.partial(_delete_others, directory, plan["delete"]),
                 f"deleting another run's checkpoints from {directory}",
                 lambda err: CheckpointError(f"rank 0 could not delete another run's checkpoints from {directory} "

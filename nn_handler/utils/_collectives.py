@@ -305,7 +305,7 @@ def run_on_ranks(side: SideGroup, fn: Callable[[], R], *, what: str, ranks: Sequ
 
     Every rank must call it at the same point (it is a collective). While
     ``fn`` runs, collectives of nn_handler refuse (see ``restricted``), since
-    the other ranks do not run it. Then the ranks agree as
+    the other ranks do not run it (unless ``ranks`` is every rank). Then the ranks agree as
     :func:`agree_on_failure` does: the rank that failed re-raises its own
     exception, the others raise :class:`RankFailedError` (also an instance
     of the original type where possible), or what ``peer_error`` makes of it.
@@ -327,7 +327,7 @@ def run_on_ranks(side: SideGroup, fn: Callable[[], R], *, what: str, ranks: Sequ
     source = ranks[0]  # whose result broadcast sends
     result, failure, payload = None, None, b""
     if side.rank in ranks:
-        token = restricted.set(True)
+        token = restricted.set(len(ranks) < side.size)  # on every rank, fn may use collectives like any code
         try:
             with working_on(what):  # the others wait for it in the status exchange: no stall
                 result = fn()

@@ -116,6 +116,12 @@ def on_rank(
     inside a ``main_process_first`` block) runs locally on its target ranks,
     without an exchange, since not every rank is there.
 
+    However long the function runs (a large checkpoint, an evaluation on
+    rank 0), the ranks waiting for it are not stalled to the stall watchdog
+    (``stall_timeout``); a target rank that itself waits in a collective
+    inside the function is, and the watchdog reports it after
+    ``stall_timeout``.
+
     Args:
         rank: A rank or a list of ranks to run on.
         barrier: After the call, and only when no rank failed, meet at a
@@ -126,9 +132,11 @@ def on_rank(
             every rank (it must be picklable); otherwise the ranks that skip
             the function return ``None``.
         debug: Make a ``torch.distributed`` collective called inside the
-            function raise ``RuntimeError`` at once (the other ranks would
-            never join it: a hang). ``None``: on when ``NN_HANDLER_DEBUG=1``.
-            Costs a little on every Python call inside the function.
+            function raise ``RuntimeError`` at once when a rank of its group
+            is not a target rank (that rank would never join it: a hang);
+            among the target ranks alone it runs. ``None``: on when
+            ``NN_HANDLER_DEBUG=1``. Costs a little on every Python call
+            inside the function.
 
     Returns:
         A decorator. The decorated function returns the function's result on
@@ -173,9 +181,10 @@ def on_rank(
             if side is not None:
                 _check_range(targets, side.size, name)
                 body = functools.partial(func, *args, **kwargs)
-                if debug or (debug is None and debug_enabled()):
+                if len(targets) < side.size and (debug or (debug is None and debug_enabled())):
                     body = functools.partial(_guarded, body, f"the on_rank function {name}",
-                                             f"rank{'s' if len(targets) > 1 else ''} {', '.join(map(str, targets))}")
+                                             f"rank{'s' if len(targets) > 1 else ''} {', '.join(map(str, targets))}",
+                                             targets)
                 return coll.run_on_ranks(side, body, what=name, ranks=targets, broadcast=broadcast_result,
                                          barrier=barrier)
             # No exchange possible: nested in code that only some ranks run,
@@ -200,8 +209,8 @@ def on_rank(
     return decorate
 
 
-def _guarded(body: Callable[[], R], where: str, ranks: str) -> R:
-    with no_collectives(where, ranks):
+def _guarded(body: Callable[[], R], where: str, ranks: str, inside: Sequence[int]) -> R:
+    with no_collectives(where, ranks, inside):
         return body()
 
 
@@ -243,8 +252,9 @@ def main_process_first() -> Iterator[None]:
     if side.rank != 0:
         coll.agree_on_failure(side, name, None)  # phase 1: wait for rank 0's block
     token = coll.restricted.set(True)
-    guard = (no_collectives("a main_process_first block", "one side (rank 0, then the others)") if debug_enabled()
-             else contextlib.nullcontext())
+    side_ranks = (0,) if side.rank == 0 else range(1, side.size)  # who runs the block at the same time as this rank
+    guard = (no_collectives("a main_process_first block", "one side (rank 0, then the others)", side_ranks)
+             if debug_enabled() else contextlib.nullcontext())
     try:
         with guard, coll.working_on(name):
             yield

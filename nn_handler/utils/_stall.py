@@ -42,7 +42,8 @@ from typing import Iterator, Mapping
 
 from .._checks import check_number, invalid
 from ..errors import CollectiveStallError
-from ._stall_report import headline, render_report, write_torchelastic_error_file
+from ._stall_report import elsewhere as _elsewhere, headline, render_report, stuck_inside as _stuck_inside
+from ._stall_report import write_torchelastic_error_file
 
 __all__ = ["watch_collectives"]
 
@@ -67,26 +68,35 @@ def resolve_stall_timeout(value="env", environ: Mapping[str, str] | None = None)
     """Seconds a rank may wait in a collective for a missing rank; ``None``: no watchdog.
 
     The keyword wins; ``"env"`` reads ``NN_HANDLER_STALL_TIMEOUT`` (seconds,
-    or ``none``/``off``), default 300 s.
+    ``inf``, or ``none``/``off``), default 300 s. ``inf``: the watchdog still
+    names a rank that died, but never calls a wait a stall. Less than the
+    watchdog's sampling period (1 s) is refused: it could not tell such a wait.
 
     Example:
         >>> resolve_stall_timeout(None), resolve_stall_timeout("env", {}), resolve_stall_timeout("env", {ENV_VAR: "3"})
         (None, 300.0, 3.0)
+        >>> resolve_stall_timeout("env", {ENV_VAR: "inf"}) == resolve_stall_timeout(float("inf"))
+        True
     """
     if not isinstance(value, str) or value != "env":
-        return check_number("stall_timeout", value, unit="seconds", allow_none=True)
-    environ = os.environ if environ is None else environ
-    text = environ.get(ENV_VAR, "").strip()
-    if not text:
-        return DEFAULT_STALL_TIMEOUT
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = None
-    if seconds is None or not seconds > 0 or seconds == float("inf"):
-        raise invalid(ENV_VAR, "a number of seconds > 0, or 'none' to turn the stall watchdog off", text)
+        name, seconds = "stall_timeout", check_number("stall_timeout", value, unit="seconds", allow_none=True)
+    else:
+        environ = os.environ if environ is None else environ
+        name, value = ENV_VAR, environ.get(ENV_VAR, "").strip()
+        if not value:
+            return DEFAULT_STALL_TIMEOUT
+        if value.lower() in ("none", "off"):
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = None
+        if seconds is None or not seconds > 0:
+            raise invalid(ENV_VAR, "a number of seconds > 0 (or inf), or 'none' to turn the stall watchdog off", value)
+    if seconds is not None and seconds < BEAT_S:
+        raise invalid(name, f"at least {BEAT_S:g} s, the stall watchdog's sampling period (it looks at each rank once "
+                            f"every {BEAT_S:g} s, so a shorter wait cannot be told)", value,
+                      hint="None (or 'none' in the variable) turns the watchdog off")
     return seconds
 
 
@@ -236,7 +246,8 @@ class Watchdog:
             # In a collective nn_handler named but running the user's code (a hook inside
             # backward): not waiting in it, and the ranks that do wait there wait for this one.
             collective, inside = None, collective
-        elif collective is None and now.auto:
+        elif collective is None and (now.auto or now.task is not None):
+            # Inside rank-restricted work too: the others wait for the work to end, never for that collective.
             collective = _torch_collective(frames)
         where = self._own_where or _where(_user_frame(frames))
         key = f"{collective}@{where}#{now.entries}"
@@ -289,13 +300,20 @@ class Watchdog:
             time.sleep(0.1)
         beats = self._beats()
         beats[self.rank] = me
+        note = ""
+        stuck = _stuck_inside(beats)
+        if stuck is not None:  # the stall is the collective inside the work, whoever asked for the report
+            r, b = stuck
+            collective = f"status exchange of {b['task']}"
+            note = (f"rank {r} waits in {b['collective']} inside {b['task']}, which not every rank runs: the others "
+                    f"wait for it to end and never join that {b['collective']}; call it outside, on every rank")
         dead = [r for r in range(self.world_size) if r not in stacks and self._is_dead(first.get(r), beats.get(r))]
         missing = [r for r, b in beats.items() if r not in dead and _elsewhere(b, collective)]
         if peer_lost and not dead:  # an ordinary error (or a peer that exited cleanly): not ours to explain
             self._busy, self._peer_lost = False, None
             self.reported.set()
             return
-        self._conclude(collective, beats, stacks, dead, missing)
+        self._conclude(collective, beats, stacks, dead, missing, note)
 
     def _without_store(self) -> None:
         """A report is due but the store is gone: say that its host died, if it did; else leave the error be."""
@@ -363,13 +381,15 @@ class Watchdog:
     def _interrupt(self) -> None:
         """Make the watched thread raise the error; exit the process when it cannot be reached."""
         blocked = self._seen[0].split("@")[0] != "None"  # in a collective when last seen
+        # Blocked inside rank-restricted work, the cause: its peers wake only when it leaves, so it exits first.
+        cause = blocked and self.now.task is not None
         if not blocked and _INTERRUPT is not None and signal.getsignal(_INTERRUPT) is _on_interrupt \
                 and self.now.thread == threading.main_thread().ident:
             signal.pthread_kill(self.now.thread, _INTERRUPT)
         # A rank blocked in the collective wakes when a peer leaves; a peer
         # stuck in C code only leaves when its own grace runs out, so the
         # blocked rank waits twice as long before it gives up.
-        deadline = time.monotonic() + GRACE_S * (2 if blocked else 1)
+        deadline = time.monotonic() + GRACE_S * (2 if blocked and not cause else 1)
         while time.monotonic() < deadline and not self.delivered and not self._stop:
             time.sleep(0.1)
         if not self.delivered and not self._stop:
@@ -405,19 +425,6 @@ class Watchdog:
         if self.error is not None:
             self.delivered = True
             raise self.error from exc
-
-
-def _elsewhere(beat: dict | None, collective: str) -> bool:
-    """Whether a rank is not where ``collective`` needs it.
-
-    A rank that runs the on_rank function (or main_process_first block) whose
-    status exchange the others wait in is where it should be: saving a large
-    checkpoint may take minutes, and the others wait for it by design.
-    """
-    if beat is None:
-        return True
-    return beat["collective"] != collective and not (
-        beat.get("task") is not None and collective == f"status exchange of {beat['task']}")
 
 
 def _on_interrupt(signum, frame) -> None:

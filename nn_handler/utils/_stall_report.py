@@ -1,4 +1,4 @@
-"""The text of a stall report: one line per rank, each rank's own stack, and the error's headline.
+"""Which ranks a stall waits for, and the text of its report: one line per rank, each rank's own stack, the headline.
 
 Pure functions of the heartbeats (plain dicts) the watchdog in
 :mod:`nn_handler.utils._stall` gathered, so they are tested without processes.
@@ -9,8 +9,35 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Mapping
 
 from ..errors import CollectiveStallError
+
+
+def elsewhere(beat: dict | None, collective: str) -> bool:
+    """Whether a rank is not where ``collective`` needs it.
+
+    A rank that runs the on_rank function (or main_process_first block) whose
+    status exchange the others wait in is where it should be: saving a large
+    checkpoint may take minutes, and the others wait for it by design. Unless
+    it waits in a collective there, which the others never join.
+    """
+    if beat is None:
+        return True
+    return beat["collective"] != collective and not (
+        beat.get("task") is not None and beat["collective"] is None  # waiting in a collective there: stalled
+        and collective == f"status exchange of {beat['task']}")
+
+
+def stuck_inside(beats: Mapping[int, dict | None]) -> tuple[int, dict] | None:
+    """A rank waiting in a collective inside rank-restricted work that other ranks wait for, with its beat."""
+    for rank, beat in sorted(beats.items()):
+        if beat is None or beat["collective"] is None or beat.get("task") is None:
+            continue
+        awaited = f"status exchange of {beat['task']}"
+        if beat["collective"] != awaited and any(b is not None and b["collective"] == awaited for b in beats.values()):
+            return rank, beat
+    return None
 
 
 def _rank_line(r: int, b: dict | None, dead: list, missing: list) -> str:

@@ -87,3 +87,16 @@ def test_torchrun_exits_non_zero_with_the_report_in_the_error_file(tmp_path):
     assert "time.sleep(60)  # rank 1 is late" in out
     assert sorted(p.name for p in tmp_path.glob("nn_handler-stall-rank*.txt")) == \
         ["nn_handler-stall-rank0.txt", "nn_handler-stall-rank1.txt"]
+
+
+def _watchdog_timeout():
+    from nn_handler.utils import _stall
+
+    dog = _stall.current()
+    return None if dog is None else dog.timeout
+
+
+@pytest.mark.parametrize("keyword, variable, expected", [(2, "none", 2), (None, "7", None), ("env", "7", 7)])
+def test_launch_stall_timeout_wins_over_the_variable(keyword, variable, expected, monkeypatch):
+    monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", variable)
+    assert NNHandler.launch(_watchdog_timeout, nprocs=2, timeout=100, stall_timeout=keyword) == expected

@@ -636,3 +636,120 @@ def test_torchrun_checkpoint_then_failure_on_rank_zero_ends_both_ranks(tmp_path)
     assert "--- traceback of rank 0 ---" in result.stdout  # rank 1 printed rank 0's traceback
     saved = torch.load(checkpoint, weights_only=True)  # written before the failure, complete
     assert set(saved["model"]) == {"weight", "bias"} and saved["world_size"] == 2
+
+
+# ---------------------------------------------------------------- collectives inside the function
+
+
+def _outcome(call):
+    """What one rank got from ``call()``: ``("ok", value)`` or ``(exception type, first line)``."""
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised, as plain data
+        return type(exc).__name__, str(exc).splitlines()[0]
+
+
+def _guarded_collectives(rank):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as functional
+
+    t = torch.ones(2)
+    calls = {  # only rank 0 runs them: each would wait for rank 1 forever
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(4), t),
+        "all_gather_single": lambda: dist.all_gather_single(torch.empty(4), t),  # what FSDP2 calls
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(1), t),
+        "send": lambda: dist.send(t, dst=1),
+        "recv": lambda: dist.recv(t, src=1),
+        "broadcast_object_list": lambda: dist.broadcast_object_list([rank]),
+        "new_group": lambda: dist.new_group([0, 1]),
+        "_functional_collectives.all_reduce": lambda: functional.all_reduce(t, "sum", dist.group.WORLD).wait(),
+    }
+    seen = {}
+    for name, call in calls.items():
+        seen[name] = _outcome(on_rank(0, debug=True)(call))
+
+    @on_rank([0, 1], debug=True)
+    def everyone():  # every rank of the job runs it: its collectives are no mistake
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        return float(total), any_rank(rank == 1)
+
+    seen["on every rank"] = _outcome(everyone)
+    return seen
+
+
+def test_the_debug_guard_covers_every_collective_of_torch_and_lets_every_rank_meet():
+    zero, one = run_distributed(_guarded_collectives, nprocs=2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    everyone = zero.pop("on every rank"), one.pop("on every rank")
+    refused = {name: kind == "RuntimeError" and f"torch.distributed.{name} was called inside" in message
+               for name, (kind, message) in zero.items()}
+    assert all(refused.values()), (refused, zero)
+    for name, (kind, message) in zero.items():
+        assert "rank 1 never join" in message
+        assert one[name][0].startswith("RankFailedError"), one[name]
+    assert everyone == (("ok", (3.0, True)),) * 2
+
+
+def _guard_with_a_subgroup(rank):
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # every rank creates it
+
+    @on_rank([0, 1], debug=True)
+    def among_the_pair():
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t, group=pair)  # ranks 0 and 1 are both here: fine
+        if rank == 0:
+            dist.send(t, dst=1)
+        else:
+            dist.recv(t, src=0)
+        return float(t)
+
+    @on_rank([0, 1], debug=True)
+    def with_rank_2():
+        dist.all_reduce(torch.ones(1))  # rank 2 is not here
+
+    return _outcome(among_the_pair), _outcome(with_rank_2)
+
+
+def test_the_debug_guard_refuses_only_a_collective_that_a_rank_outside_the_function_must_join():
+    results = run_distributed(_guard_with_a_subgroup, nprocs=3, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    assert [r[0] for r in results] == [("ok", 3.0), ("ok", 3.0), ("ok", None)]
+    kind, message = results[0][1]
+    assert kind == "RuntimeError" and "torch.distributed.all_reduce was called inside" in message
+    assert "only ranks 0, 1 runs: rank 2 never join" in message
+    assert results[2][1][0].startswith("RankFailedError")
+
+
+def _handler_inside_on_rank(rank, strategy):
+    from nn_handler import NNHandler
+    from scripts.handler_case import make_data, make_model
+
+    handler = NNHandler(make_model(), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
+                        device="cpu", strategy=strategy, stall_timeout=None)
+    X, y = make_data(16)
+    calls = {"save_model": lambda: handler.save_model("never.pt"),
+             "export_model": lambda: handler.export_model("never.pt"),
+             "save_checkpoint": lambda: handler.save_checkpoint("never.ckpt"),
+             "evaluate": lambda: handler.evaluate((X, y)),
+             "predict": lambda: handler.predict(X)}
+    seen = {name: _outcome(on_rank(0)(call)) for name, call in calls.items()}
+    return seen, handler.evaluate((X, y))["loss"]  # after: the ranks are still in step
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_collective_handler_methods_inside_on_rank_raise_at_once_saying_to_call_them_on_every_rank(strategy, tmp_path,
+                                                                                                     monkeypatch):
+    # Under FSDP the gathered state and the sharded forward are collectives: they waited for
+    # rank 1, which waits for the on_rank function, until the group's timeout.
+    monkeypatch.chdir(tmp_path)
+    (zero, after_zero), (one, after_one) = run_distributed(_handler_inside_on_rank, nprocs=2, args=(strategy,),
+                                                           timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    for name, (kind, message) in zero.items():
+        method = "export_model" if name == "save_model" else name
+        assert kind == "RuntimeError" and f"NNHandler.{method} was called inside an on_rank function" in message, \
+            (name, kind, message)
+        assert "call it outside, on every rank" in message
+        assert one[name][0].startswith("RankFailedError"), one[name]
+    assert after_zero == after_one
+    assert not list(tmp_path.glob("never*"))

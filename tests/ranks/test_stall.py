@@ -336,3 +336,97 @@ def _long_save_on_rank_0(rank, directory):
 def test_a_long_on_rank_function_is_no_stall_for_the_ranks_waiting_for_it(tmp_path):
     assert _run(_long_save_on_rank_0, str(tmp_path)) == ["saved", "saved"]
     assert not list(tmp_path.glob("nn_handler-stall-*"))
+
+
+def _collective_inside_rank_0_work(rank, directory, where):
+    os.chdir(directory)
+    from nn_handler.utils.ddp_decorators import main_process_first
+
+    @on_rank(0)
+    def save():
+        dist.barrier()  # rank 0 waits in a barrier the others never join
+        return "saved"
+
+    if where == "on_rank":
+        return save()
+    with main_process_first():
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 0 waits in an all_reduce the others never join
+    return "done"
+
+
+@pytest.mark.parametrize("where, collective, task, marker", [
+    ("on_rank", "barrier", "_collective_inside_rank_0_work.<locals>.save",
+     "rank 0 waits in a barrier the others never join"),
+    ("main_process_first", "all_reduce", "main_process_first block",
+     "rank 0 waits in an all_reduce the others never join")])
+def test_a_collective_inside_rank_0_work_is_reported_without_the_debug_guard(tmp_path, where, collective, task,
+                                                                              marker):
+    # The others wait for the work to end and are no stall; rank 0, waiting inside it, is.
+    results = _run(_collective_inside_rank_0_work, str(tmp_path), where, env={**STALL, "NN_HANDLER_DEBUG": "0"})
+    error = results[1]
+    assert isinstance(error, CollectiveStallError), results
+    assert error.collective == f"status exchange of {task}" and error.missing == (0,), str(error)
+    assert f"rank 0 is at {HERE}:{_line(marker)}" in str(error)
+    assert f"rank 0 waits in {collective} inside {task}, which not every rank runs" in str(error)
+    # Rank 0 is blocked in C: it exits after writing its report, which wakes rank 1.
+    assert isinstance(results[0], (CollectiveStallError, RemoteFailure)), results[0]
+    report = (tmp_path / "nn_handler-stall-rank0.txt").read_text()
+    assert f"# {marker}" in report and "<- MISSING" in report
+
+
+def _watchdog_timeout(rank):
+    from nn_handler.utils import _stall
+
+    dog = _stall.current()
+    return None if dog is None else dog.timeout
+
+
+@pytest.mark.parametrize("keyword, variable, expected", [(2, "none", 2), (None, "7", None), ("env", "inf", float("inf"))])
+def test_run_distributed_stall_timeout_wins_over_the_variable(keyword, variable, expected):
+    env = {"NN_HANDLER_STALL_TIMEOUT": variable}
+    assert run_distributed(_watchdog_timeout, 2, timeout=DEADLINE, env=env, stall_timeout=keyword) == [expected] * 2
+
+
+def _slow_deletions_on_rank_0(rank, directory, which):
+    os.chdir(directory)  # where a report would go
+    from pathlib import Path
+
+    from scripts.handler_case import make_data, make_handler, make_model
+
+    ckpt = Path(directory) / "ckpt"
+    if which == "overwrite":  # another run's checkpoint, which overwrite=True deletes
+        other = make_handler(make_model(), checkpoint_dir=ckpt)
+        other.set_train_loader(make_data(32), batch_size=8)
+        other.train(1, progress=False)
+    slow = []
+    if rank == 0:  # a slow filesystem (an rmtree on NFS): each deletion takes longer than stall_timeout
+        unlink = Path.unlink
+
+        def slow_unlink(path, *args, **kwargs):
+            if path.suffix == ".ckpt":
+                slow.append(path.name)
+                time.sleep(4)  # longer than stall_timeout=2
+            unlink(path, *args, **kwargs)
+
+        Path.unlink = slow_unlink
+    handler = make_handler(make_model(), checkpoint_dir=ckpt, overwrite=which == "overwrite", keep_last=1,
+                           stall_timeout=2)
+    handler.set_train_loader(make_data(32), batch_size=8)
+    handler.train(1 if which == "overwrite" else 3, progress=False)
+    from nn_handler.utils import _stall
+
+    watched = _stall.current() is not None and _stall.current().timeout  # the watchdog was on all along
+    return handler.global_step, sorted(p.name for p in ckpt.iterdir()), len(slow), watched
+
+
+@pytest.mark.parametrize("which, epochs, deleted", [("overwrite", 1, 1), ("prune", 3, 2)])
+def test_rank_0_deleting_checkpoints_on_a_slow_filesystem_is_no_stall(tmp_path, which, epochs, deleted):
+    # Rank 0 alone deletes old checkpoints (overwrite=True, keep_last); the others wait for it, for 4 s
+    # each time, twice stall_timeout: a healthy job, not a stall.
+    zero, one = _run(_slow_deletions_on_rank_0, str(tmp_path), which)
+    assert not isinstance(zero, BaseException) and not isinstance(one, BaseException), (zero, one)
+    assert zero[0] == one[0] == 2 * epochs  # 2 steps an epoch on each rank
+    assert zero[1] == one[1] and len(zero[1]) == 1  # keep_last=1; the other run's file is gone
+    assert (zero[2], one[2]) == (deleted, 0) and zero[3] == one[3] == 2
+    assert not list(tmp_path.glob("*stall*"))

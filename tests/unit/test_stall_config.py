@@ -23,11 +23,43 @@ def test_keyword_wins_over_the_environment(keyword, environ, expected):
     assert _stall.resolve_stall_timeout(keyword, environ) == expected
 
 
-@pytest.mark.parametrize("value", ["3s", "0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["3s", "0", "-1", "nan"])
 def test_a_bad_environment_value_names_the_variable(value):
-    with pytest.raises(ConfigurationError, match=r"NN_HANDLER_STALL_TIMEOUT must be a number of seconds > 0, or "
-                                                 r"'none' to turn the stall watchdog off, got"):
+    with pytest.raises(ConfigurationError, match=r"NN_HANDLER_STALL_TIMEOUT must be a number of seconds > 0 \(or "
+                                                 r"inf\), or 'none' to turn the stall watchdog off, got"):
         _stall.resolve_stall_timeout("env", {"NN_HANDLER_STALL_TIMEOUT": value})
+
+
+@pytest.mark.parametrize("text", ["inf", " Infinity "])
+def test_inf_in_the_environment_is_accepted_like_the_keyword(text):
+    inf = float("inf")
+    assert _stall.resolve_stall_timeout("env", {"NN_HANDLER_STALL_TIMEOUT": text}) == inf
+    assert _stall.resolve_stall_timeout(inf, {"NN_HANDLER_STALL_TIMEOUT": "3"}) == inf
+
+
+@pytest.mark.parametrize("keyword, environ, name", [
+    (0.5, {}, "stall_timeout"), (0.2, {"NN_HANDLER_STALL_TIMEOUT": "3"}, "stall_timeout"),
+    ("env", {"NN_HANDLER_STALL_TIMEOUT": "0.5"}, "NN_HANDLER_STALL_TIMEOUT")])
+def test_less_than_the_watchdogs_sampling_period_is_refused(keyword, environ, name):
+    # The watchdog looks once a second: 0.5 s would silently mean "about a second or two".
+    with pytest.raises(ConfigurationError, match=rf"{name} must be at least 1 s, the stall watchdog's sampling period"):
+        _stall.resolve_stall_timeout(keyword, environ)
+    assert _stall.resolve_stall_timeout(_stall.BEAT_S, environ) == _stall.BEAT_S  # the period itself is fine
+
+
+@pytest.mark.parametrize("value, message", [(0, "> 0 or None"), (0.5, "at least 1 s"), ("3", "> 0 or None")])
+def test_run_distributed_and_launch_refuse_a_bad_stall_timeout_before_starting_a_rank(value, message, monkeypatch):
+    from nn_handler.testing import run_distributed
+    from nn_handler.utils._workers import launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch, "_run_group", no_ranks)
+    with pytest.raises(ConfigurationError, match=message):
+        run_distributed(abs, 2, stall_timeout=value)
+    with pytest.raises(ConfigurationError, match=message):
+        nn_handler.NNHandler.launch(abs, nprocs=2, stall_timeout=value)
 
 
 @pytest.mark.parametrize("value", [0, -2, "3", True])

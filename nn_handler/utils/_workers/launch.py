@@ -50,6 +50,7 @@ from ...errors import (
     WorkerDiedError,
 )
 from .._devices import cuda_count
+from .._stall import resolve_stall_timeout
 from . import pickler
 from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _threads_per_worker
 from .worker import main_module_hidden
@@ -70,6 +71,7 @@ class _Setup:
     join: bool  # initialize_ddp before fn
     backend: str | None
     pg_timeout: float | None
+    stall_timeout: float | None | str  # initialize_ddp's: "env" reads NN_HANDLER_STALL_TIMEOUT in the rank
     pass_rank: bool  # fn(rank, *args) (run_distributed) rather than fn(*args, **kwargs)
 
 
@@ -87,7 +89,7 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
     if setup.join:
         from ..ddp import initialize_ddp
 
-        initialize_ddp(timeout=setup.pg_timeout, backend=setup.backend)
+        initialize_ddp(timeout=setup.pg_timeout, backend=setup.backend, stall_timeout=setup.stall_timeout)
     result = fn(rank, *args, **kwargs) if setup.pass_rank else fn(*args, **kwargs)
     # Only on success: after a failure the group is left as it is, so the
     # failed rank's own error reaches the caller first rather than a peer's
@@ -136,7 +138,8 @@ def _kill(executor: ParallelExecutor) -> None:
 
 def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: list[str], timeout: float | None,
                fail_fast: bool, join: bool, backend: str | None = None, pg_timeout: float | None = None,
-               env: dict | None = None, pass_rank: bool = False) -> list[_Outcome | None]:
+               env: dict | None = None, pass_rank: bool = False, stall_timeout: float | None | str = "env"
+               ) -> list[_Outcome | None]:
     """Run ``fn`` on one rank per device; one outcome per rank, ``None`` for a rank that did not finish.
 
     ``fail_fast``: at the first failure, the other ranks are killed (and left ``None``).
@@ -154,7 +157,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     setup = _Setup(env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
                         **(env or {})},
                    nprocs=nprocs, threads=_threads_per_worker(nprocs), join=join, backend=backend,
-                   pg_timeout=pg_timeout, pass_rank=pass_rank)
+                   pg_timeout=pg_timeout, stall_timeout=stall_timeout, pass_rank=pass_rank)
     name = _name(fn)
     executors = [ParallelExecutor(device_ids=[d], pass_device=False, timeout=timeout) for d in devices]
     outcomes: list[_Outcome | None] = [None] * nprocs
@@ -209,7 +212,8 @@ def _collect_deaths(replies: queue.Queue, outcomes: list, deadline: float | None
             outcomes[rank] = outcome  # a peer's own error is left out: fail-fast reports the cause alone
 
 
-def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None) -> Any:
+def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None,
+           stall_timeout: float | None | str = "env") -> Any:
     """Run ``fn(*args, **kwargs)`` on a fresh local process group of ``nprocs`` ranks; rank 0's result.
 
     What :meth:`NNHandler.launch` runs: one rank per GPU (NCCL) by default,
@@ -232,10 +236,12 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
         nprocs = gpus
     check_int("nprocs", nprocs, minimum=1)
     timeout = check_number("timeout", timeout, unit="seconds", allow_none=True)
+    resolve_stall_timeout(stall_timeout, {})  # a bad value fails here, before any process starts
     if gpus and nprocs > gpus:
         raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPUs; one process per GPU")
     devices = [f"cuda:{i}" for i in range(nprocs)] if gpus else ["cpu"] * nprocs
-    outcomes = _run_group(fn, args, kwargs, devices=devices, timeout=timeout, fail_fast=True, join=True)
+    outcomes = _run_group(fn, args, kwargs, devices=devices, timeout=timeout, fail_fast=True, join=True,
+                          stall_timeout=stall_timeout)
     name = _name(fn)  # errors name the user's function, not the wrapper that runs it
     failed = {rank: o for rank, o in enumerate(outcomes) if o is not None and o.failure is not None}
     if failed:
@@ -269,13 +275,15 @@ def _as_result(rank: int, outcome: _Outcome) -> Any:
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int = 2, *, args: tuple = (), timeout: float = 60.0, init: bool = True,
-              backend: str = "gloo", env: dict | None = None, pg_timeout: float | None = None) -> list:
+              backend: str = "gloo", env: dict | None = None, pg_timeout: float | None = None,
+              stall_timeout: float | None | str = "env") -> list:
     """:func:`nn_handler.testing.run_distributed` (its docstring is the documentation): every rank's result."""
     check_int("nprocs", nprocs, minimum=1)
     check_number("timeout", timeout, unit="seconds")
+    resolve_stall_timeout(stall_timeout, {})  # a bad value fails here, before any process starts
     outcomes = _run_group(fn, args, {}, devices=["cpu"] * nprocs, timeout=timeout, fail_fast=False, join=init,
                           backend=backend, pg_timeout=pg_timeout or timeout / 2, env=dict(env or {}),
-                          pass_rank=True)
+                          pass_rank=True, stall_timeout=stall_timeout)
     results = [None if o is None else _as_result(rank, o) for rank, o in enumerate(outcomes)]
     unfinished = [rank for rank, o in enumerate(outcomes) if o is None]
     if unfinished:
