@@ -142,13 +142,16 @@ class DeviceActor:
         return self.init_failure, self.where
 
     def call(self, fn_message: tuple, kind: str, payload: bytes):
-        """Run one task: ``("ok", result, where)`` or ``("err", (record, exception bytes), where)``.
+        """Run one task: ``("ok", result, where)``, ``("err", (record, exception bytes), where)``, or
+        ``("miss", None, where)``: the function came by its digest and this process does not hold it.
 
         ``payload`` is the pickled ``(args, kwargs)`` of a ``run``, or a chunk of items of a ``map``.
         """
         self._initialize()  # a restarted actor that got a task before its ready
         if self.init_failure is not None:
             return "err", self.init_failure, self.where
+        if fn_message[1] is None and self.functions.get(fn_message[0]) is None:
+            return "miss", None, self.where  # restarted by Ray behind the pool's back: it sends the body
         try:
             fn = _transport.load_function(fn_message, self.functions)
             payload = _transport.loads(payload)
