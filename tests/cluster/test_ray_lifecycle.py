@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import sys
 import threading
+import time
 
 import pytest
 
@@ -164,3 +166,23 @@ ray.init = counted_init
     result = run_command([sys.executable, "-c", script], timeout=180)
     assert result.returncode == 0 and "ran [1]" in result.stdout, result.stdout
     assert "ray.init called again" not in result.stdout and result.stdout.count(STARTED) == 1, result.stdout
+
+
+def _pid(device):
+    return os.getpid()
+
+
+def test_an_actor_restarted_unseen_is_sent_the_function_again(cluster):
+    with ParallelExecutor(device_ids=["cpu"], backend="ray", timeout=60) as ex:
+        first = ex.run(_pid)[0]
+        os.kill(first, signal.SIGKILL)  # while idle: Ray restarts it and the pool does not see it
+        actor, deadline = ex._pool._slots[0].actor, time.monotonic() + 60
+        while time.monotonic() < deadline:  # until Ray has the new process answering (asked past the pool)
+            try:
+                if ray.get(actor.ready.remote(), timeout=10)[1][0] != first:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.2)
+        # The pool sends only the function's digest, which the new process lacks: it asks for the body.
+        second = within(60, ex.run, _pid)[0]
+        assert second != first and within(60, ex.run, _pid) == [second]

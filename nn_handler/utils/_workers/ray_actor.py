@@ -15,11 +15,11 @@ import warnings
 
 from ..._checks import invalid
 from ..._tree import detach_cpu
-from ...errors import MissingExtraError, RankFailure
+from ...errors import DeviceError, MissingExtraError, RankFailure
 from . import transport as _transport
 from . import worker as _worker
 
-__all__ = ["DeviceActor", "import_ray", "ray_devices", "Session", "with_place"]
+__all__ = ["DeviceActor", "import_ray", "place", "ray_devices", "Session", "with_place"]
 
 _INSTALL = "pip install 'nn_handler[ray]'"
 
@@ -91,6 +91,28 @@ class Session:
 
 def cluster_gpus() -> int:
     return int(import_ray().cluster_resources().get("GPU", 0))
+
+
+def place(devices: list[str] | None) -> list[str]:
+    """The device kind of each actor, checked against the cluster (``None``: one per GPU, else one CPU actor)."""
+    gpus = cluster_gpus()
+    if devices is None:
+        devices = ["cuda"] * gpus if gpus else None
+    wanted = 0 if devices is None else devices.count("cuda")
+    if devices is None or (gpus == 0 and wanted):
+        n = 1 if devices is None else len(devices)
+        warnings.warn(f"the Ray cluster has no GPUs: running {n} worker{'s' if n != 1 else ''} on the CPU "
+                      f"instead (pass device_ids=['cpu', ...] to ask for CPU workers without this warning)",
+                      RuntimeWarning, stacklevel=5)
+        return ["cpu"] * n
+    if wanted > gpus:
+        raise DeviceError(f"asked for {wanted} GPU workers but the Ray cluster has {gpus} GPU"
+                          f"{'s' if gpus != 1 else ''}")
+    cpus = int(import_ray().cluster_resources().get("CPU", 0))
+    if devices.count("cpu") > cpus:
+        raise DeviceError(f"asked for {devices.count('cpu')} CPU workers (one CPU each) but the Ray cluster "
+                          f"has {cpus} CPU{'s' if cpus != 1 else ''}")
+    return devices
 
 
 # ----------------------------------------------------------------------------- the actor

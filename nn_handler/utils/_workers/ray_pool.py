@@ -34,11 +34,9 @@ import itertools
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import Future
 
 from ...errors import (
-    DeviceError,
     ExecutorTimeoutError,
     ParallelExecutionError,
     PayloadPicklingError,
@@ -48,7 +46,7 @@ from ...errors import (
 from . import ray_failures as _failures
 from . import transport as _transport
 from . import worker as _worker
-from .ray_actor import DeviceActor, Session, cluster_gpus, import_ray
+from .ray_actor import DeviceActor, Session, import_ray, place
 from .scheduler import _Call, _Task
 
 __all__ = ["RayPool"]
@@ -62,6 +60,8 @@ _INLINE_BYTES = 100 * 1024
 _STOP_GRACE = 10.0
 # Seconds between the questions to an actor that Ray is restarting, whether it is back.
 _REVIVE_PERIOD = 0.1
+# Seconds between looks at the replies of a run that are in while others are not.
+_LOOK = 0.5
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -100,7 +100,7 @@ class RayPool:
         Session.enter(address)
         self._session = True
         try:
-            self.devices = self._place(devices)
+            self.devices = place(devices)
         except BaseException:
             self._leave()
             raise
@@ -119,26 +119,6 @@ class RayPool:
         self._owner = os.getpid()
         self._timer: threading.Thread | None = None
         self._timer_wake = threading.Event()
-
-    def _place(self, devices: list[str] | None) -> list[str]:
-        gpus = cluster_gpus()
-        if devices is None:
-            devices = ["cuda"] * gpus if gpus else None
-        wanted = 0 if devices is None else devices.count("cuda")
-        if devices is None or (gpus == 0 and wanted):
-            n = 1 if devices is None else len(devices)
-            warnings.warn(f"the Ray cluster has no GPUs: running {n} worker{'s' if n != 1 else ''} on the CPU "
-                          f"instead (pass device_ids=['cpu', ...] to ask for CPU workers without this warning)",
-                          RuntimeWarning, stacklevel=5)
-            return ["cpu"] * n
-        if wanted > gpus:
-            raise DeviceError(f"asked for {wanted} GPU workers but the Ray cluster has {gpus} GPU"
-                              f"{'s' if gpus != 1 else ''}")
-        cpus = int(self._ray.cluster_resources().get("CPU", 0))
-        if devices.count("cpu") > cpus:
-            raise DeviceError(f"asked for {devices.count('cpu')} CPU workers (one CPU each) but the Ray cluster "
-                              f"has {cpus} CPU{'s' if cpus != 1 else ''}")
-        return devices
 
     # ----------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -290,15 +270,24 @@ class RayPool:
         self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
         try:
             while call.direct:
-                refs = [ref for _, _, ref in call.direct]
-                ready = refs if len(refs) == 1 else self._ray.wait(refs, num_returns=1)[0]
-                for slot, task, ref in [d for d in call.direct if d[2] in ready]:
+                # Every reply in one ray.get, as a caller of actors by hand does; looking every _LOOK
+                # seconds for those in early (a death fails the call without waiting for the others).
+                ready = self._ray.wait([d[2] for d in call.direct], num_returns=len(call.direct), timeout=_LOOK)[0]
+                done = [d for d in call.direct if d[2] in ready]
+                for (slot, task, ref), outcome in zip(done, self._outcomes([d[2] for d in done])):
                     call.direct.remove((slot, task, ref))
-                    self._settle(slot, task, lambda ref=ref: self._ray.get(ref))
+                    self._settle(slot, task, outcome)
             return call.future.result()
         except KeyboardInterrupt:
             self.terminate()
             raise
+
+    def _outcomes(self, refs: list) -> list:
+        """For each of ``refs`` (all ready), what returns its reply or raises its error: one ray.get for all."""
+        try:
+            return [lambda reply=reply: reply for reply in self._ray.get(refs)]
+        except Exception:  # one of them failed: each on its own
+            return [lambda ref=ref: self._ray.get(ref) for ref in refs]
 
     def submit(self, fn_id, fn_blob, kind, objs, timeout, name) -> list[Future]:
         """Queue one task per object (``"run"``: ``(args, kwargs)``; ``"map"``: a chunk) for any free actor."""
