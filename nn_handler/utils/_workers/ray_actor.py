@@ -7,6 +7,7 @@ for ``backend="ray"``; ``import nn_handler`` never imports it.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -15,11 +16,11 @@ import warnings
 
 from ..._checks import invalid
 from ..._tree import detach_cpu
-from ...errors import MissingExtraError, RankFailure
+from ...errors import DeviceError, MissingExtraError, RankFailure
 from . import transport as _transport
 from . import worker as _worker
 
-__all__ = ["DeviceActor", "import_ray", "ray_devices", "Session", "with_place"]
+__all__ = ["DeviceActor", "import_ray", "place", "ray_devices", "Session", "with_place"]
 
 _INSTALL = "pip install 'nn_handler[ray]'"
 
@@ -93,6 +94,28 @@ def cluster_gpus() -> int:
     return int(import_ray().cluster_resources().get("GPU", 0))
 
 
+def place(devices: list[str] | None) -> list[str]:
+    """The device kind of each actor, checked against the cluster (``None``: one per GPU, else one CPU actor)."""
+    gpus = cluster_gpus()
+    if devices is None:
+        devices = ["cuda"] * gpus if gpus else None
+    wanted = 0 if devices is None else devices.count("cuda")
+    if devices is None or (gpus == 0 and wanted):
+        n = 1 if devices is None else len(devices)
+        warnings.warn(f"the Ray cluster has no GPUs: running {n} worker{'s' if n != 1 else ''} on the CPU "
+                      f"instead (pass device_ids=['cpu', ...] to ask for CPU workers without this warning)",
+                      RuntimeWarning, stacklevel=5)
+        return ["cpu"] * n
+    if wanted > gpus:
+        raise DeviceError(f"asked for {wanted} GPU workers but the Ray cluster has {gpus} GPU"
+                          f"{'s' if gpus != 1 else ''}")
+    cpus = int(import_ray().cluster_resources().get("CPU", 0))
+    if devices.count("cpu") > cpus:
+        raise DeviceError(f"asked for {devices.count('cpu')} CPU workers (one CPU each) but the Ray cluster "
+                          f"has {cpus} CPU{'s' if cpus != 1 else ''}")
+    return devices
+
+
 # ----------------------------------------------------------------------------- the actor
 class DeviceActor:
     """One worker of a Ray pool, in its own process somewhere in the cluster: one device, its calls."""
@@ -141,14 +164,21 @@ class DeviceActor:
         self._initialize()
         return self.init_failure, self.where
 
+    def call_packed(self, message: bytes):
+        """:meth:`call` with its three arguments pickled into one (a small task: cheaper for Ray to send)."""
+        return self.call(*pickle.loads(message))
+
     def call(self, fn_message: tuple, kind: str, payload: bytes):
-        """Run one task: ``("ok", result, where)`` or ``("err", (record, exception bytes), where)``.
+        """Run one task: ``("ok", result, where)``, ``("err", (record, exception bytes), where)``, or
+        ``("miss", None, where)``: the function came by its digest and this process does not hold it.
 
         ``payload`` is the pickled ``(args, kwargs)`` of a ``run``, or a chunk of items of a ``map``.
         """
         self._initialize()  # a restarted actor that got a task before its ready
         if self.init_failure is not None:
             return "err", self.init_failure, self.where
+        if fn_message[1] is None and self.functions.get(fn_message[0]) is None:
+            return "miss", None, self.where  # restarted by Ray behind the pool's back: it sends the body
         try:
             fn = _transport.load_function(fn_message, self.functions)
             payload = _transport.loads(payload)

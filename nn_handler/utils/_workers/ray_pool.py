@@ -10,16 +10,21 @@ Data flow::
                                      ──> actor.call.remote(fn, kind, payload) ──> fn(..., device=dev_i)
     Future.result() <── settle <────── ObjectRef.future() is done <───────────── ("ok"|"err", body, where)
                                        ├─ RayActorError: WorkerDiedError naming the node and host; Ray
-                                       │   restarts the actor (max_restarts), whose first task (ready)
-                                       │   runs the initializer again; the call is never re-run
+                                       │   restarts the actor (max_restarts); the call is never re-run
                                        │   (max_task_retries=0)
-                                       └─ a task's deadline: ray.kill(actor) (restarted) ──> TimeoutError
+                                       ├─ a task's deadline: ray.kill(actor) (restarted) ──> TimeoutError
+                                       └─ the actor's next task first asks it ``ready`` (the initializer
+                                           runs again): if that kills it, the task fails (WorkerDiedError)
+
+A function's body goes to an actor once, later calls send its digest (a twin
+of each actor's cache, as in the local pool; a restarted actor answers ``miss``).
 
 One task in flight per actor: a task's ``timeout`` counts from when an actor
 has it, and a slow task never holds up others queued behind it on one actor.
 Functions travel as the local pool packs them (cloudpickle, with where their
 ``device`` argument goes); arguments and results travel through Ray's object
-store. Ray is imported here only, and only when an executor asks for it.
+store. Ray is imported here only, and only when an executor asks for it, and
+never touched once it is shut down (``ray.kill`` would start a new one).
 """
 
 from __future__ import annotations
@@ -27,22 +32,23 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import pickle
 import threading
 import time
-import warnings
 from concurrent.futures import Future
 
 from ...errors import (
-    DeviceError,
+    ExecutorTimeoutError,
     ParallelExecutionError,
     PayloadPicklingError,
     RankFailure,
     WorkerDiedError,
 )
+from . import ray_failures as _failures
 from . import transport as _transport
 from . import worker as _worker
-from .ray_actor import DeviceActor, Session, cluster_gpus, import_ray
-from .scheduler import _Call
+from .ray_actor import DeviceActor, Session, import_ray, place
+from .scheduler import _Call, _Task
 
 __all__ = ["RayPool"]
 
@@ -53,25 +59,27 @@ _START_ALLOWANCE = 60.0
 _INLINE_BYTES = 100 * 1024
 # Seconds shutdown() waits for Ray to have the killed actors dead.
 _STOP_GRACE = 10.0
-# Times a restarted actor is asked whether it is back before its tasks go to it anyway (10 s in all).
-_REVIVE_TRIES = 100
+# Seconds between the questions to an actor that Ray is restarting, whether it is back.
+_REVIVE_PERIOD = 0.1
+# Seconds between looks at the replies of a run that are in while others are not.
+_LOOK = 0.5
 
 
 # ----------------------------------------------------------------------------- the pool
-class _Task:
-    __slots__ = ("call", "key", "payload", "target")
-
-    def __init__(self, call: _Call, key: int, payload, target: int | None):
-        self.call, self.key, self.payload, self.target = call, key, payload, target
-
-
 class _Slot:
-    __slots__ = ("index", "device", "actor", "where", "task", "deadline", "reviving")
+    __slots__ = ("index", "device", "actor", "where", "task", "deadline", "stale", "starting", "grace", "known",
+                 "killing")
 
     def __init__(self, index: int, device: str):
         self.index, self.device = index, device
         self.actor = self.task = self.deadline = None
-        self.reviving = False  # restarted by Ray: its tasks wait until it answers
+        # The actor died or was killed since it last answered: its next task first waits for it to be
+        # back (ready, which runs the initializer), and fails if that kills it (one try per task).
+        self.stale = False
+        self.starting = False  # its task waits for that ready
+        self.grace = 0  # deaths of ready not counted: the old process of an actor we killed may take one
+        self.killing = False  # ray.kill is under way (in a thread of its own)
+        self.known = _transport.FunctionCache()  # twin of the actor's function cache: what it holds
         self.where = (None, "", "")  # (pid, node id, host) of its last reply
 
 
@@ -93,44 +101,25 @@ class RayPool:
         Session.enter(address)
         self._session = True
         try:
-            self.devices = self._place(devices)
+            self.devices = place(devices)
         except BaseException:
             self._leave()
             raise
         self._pass_device, self._init_blob = pass_device, init_blob
         # A new actor process imports torch (seconds): a short task timeout still leaves it that long to start.
         self._start_timeout = None if start_timeout is None else max(start_timeout, _START_ALLOWANCE)
-        # Functions travel whole (Ray's object store carries their large tensors like any argument).
+        self._asked_timeout = start_timeout
+        # Functions travel whole the first time (Ray's object store carries their large tensors like any argument).
         self.functions = _transport.Encoder(None, private=True)
         self._fn_ids = itertools.count(1)
         self._slots = [_Slot(i, d) for i, d in enumerate(self.devices)]
         self._lock = threading.RLock()
         self._queue: collections.deque[_Task] = collections.deque()
         self._idle = threading.Condition(self._lock)  # notified when nothing is queued or running
-        self._started = self._closed = self._closing = False
+        self._started = self._closed = self._closing = self._ray_gone = False
         self._owner = os.getpid()
         self._timer: threading.Thread | None = None
         self._timer_wake = threading.Event()
-
-    def _place(self, devices: list[str] | None) -> list[str]:
-        gpus = cluster_gpus()
-        if devices is None:
-            devices = ["cuda"] * gpus if gpus else None
-        wanted = 0 if devices is None else devices.count("cuda")
-        if devices is None or (gpus == 0 and wanted):
-            n = 1 if devices is None else len(devices)
-            warnings.warn(f"the Ray cluster has no GPUs: running {n} worker{'s' if n != 1 else ''} on the CPU "
-                          f"instead (pass device_ids=['cpu', ...] to ask for CPU workers without this warning)",
-                          RuntimeWarning, stacklevel=5)
-            return ["cpu"] * n
-        if wanted > gpus:
-            raise DeviceError(f"asked for {wanted} GPU workers but the Ray cluster has {gpus} GPU"
-                              f"{'s' if gpus != 1 else ''}")
-        cpus = int(self._ray.cluster_resources().get("CPU", 0))
-        if devices.count("cpu") > cpus:
-            raise DeviceError(f"asked for {devices.count('cpu')} CPU workers (one CPU each) but the Ray cluster "
-                              f"has {cpus} CPU{'s' if cpus != 1 else ''}")
-        return devices
 
     # ----------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -140,32 +129,36 @@ class RayPool:
                 return
             remote = self._ray.remote(DeviceActor)
             for slot in self._slots:
-                resources = {"num_gpus": 1, "num_cpus": 0} if slot.device == "cuda" else {"num_cpus": 1}
                 # max_restarts: a dead actor comes back and runs its initializer again; max_task_retries=0:
                 # a call in flight when it died is never re-run (a user's function may not be safe twice).
-                slot.actor = remote.options(max_restarts=-1, max_task_retries=0, **resources).remote(
-                    slot.index, slot.device, self._pass_device, self._init_blob)
+                options = dict(max_restarts=-1, max_task_retries=0, **_failures.resources(slot.device))
+                slot.actor = remote.options(**options).remote(slot.index, slot.device, self._pass_device,
+                                                              self._init_blob)
             self._started = True
         refs = [slot.actor.ready.remote() for slot in self._slots]
         done, waiting = self._ray.wait(refs, num_returns=len(refs), timeout=self._start_timeout)
         failures, exceptions, died = [], {}, False
         for slot, ref in zip(self._slots, refs):
             if ref in waiting:
-                failures.append(RankFailure(rank=slot.index, device=slot.device, message=(
-                    f"actor did not start within {self._start_timeout:g}s (does the cluster have the resources?)")))
+                failures.append(RankFailure(rank=slot.index, device=slot.device, exc_type="TimeoutError",
+                                            message=_failures.not_started(self._ray, slot, self._start_timeout,
+                                                                          self._asked_timeout)))
                 continue
             try:
                 failure, slot.where = self._ray.get(ref)
             except self._ray.exceptions.RayActorError as exc:
-                failures.append(self._died(slot, exc, "start-up"))
+                failures.append(_failures.died(slot, exc, "start-up"))
                 died = True
                 continue
             if failure is not None:
-                self._record(failure, failures, exceptions)
+                _failures.load_error(failure, failures, exceptions)
         if failures:
             self.terminate()
-            cls = WorkerDiedError if died and len(failures) == sum(f.died for f in failures) else \
-                ParallelExecutionError
+            if waiting:
+                cls = ExecutorTimeoutError
+            else:
+                cls = WorkerDiedError if died and len(failures) == sum(f.died for f in failures) else \
+                    ParallelExecutionError
             raise cls.create(failures, exceptions, function="worker start-up (initializer)")
         self._timer = threading.Thread(target=self._watch_deadlines, name="nn_handler-ray-deadlines", daemon=True)
         self._timer.start()
@@ -180,8 +173,8 @@ class RayPool:
             if cancel:
                 self._cancel_queued()
             if wait:
-                while self._busy():
-                    self._idle.wait()
+                while self._busy() and self._ray.is_initialized():
+                    self._idle.wait(1.0)  # (a Ray shut down under us answers nothing more)
         self._close_now(wait)
 
     def shutdown_later(self, cancel: bool = False) -> None:
@@ -207,20 +200,22 @@ class RayPool:
             for slot in self._slots:
                 if slot.task is not None:
                     task, slot.task = slot.task, None
-                    self._fail(task, RankFailure(rank=slot.index, device=slot.device, pid=slot.where[0],
-                                                 node=slot.where[1], host=slot.where[2],
-                                                 message="the executor was shut down while the call ran"), died=True)
+                    self._fail(task, _failures.record(slot, "the executor was shut down while the call ran"),
+                               died=True)
             self._cancel_queued()
             self._idle.notify_all()
         gone = []
+        # Ray shut down (by the user, or by its own exit hook before this executor's finalizer):
+        # its actors went with it, and ray.kill would start a new Ray only to find none of them.
+        up = self._ray.is_initialized()
         for slot in self._slots:
-            if slot.actor is not None:
+            if slot.actor is not None and up:
                 try:
                     self._ray.kill(slot.actor, no_restart=True)
                     gone.append(slot.actor.ready.remote())  # fails once Ray has the actor dead
                 except Exception:
                     pass  # already gone with its node or its Ray
-                slot.actor = None
+            slot.actor = None
         if gone and wait:
             self._ray.wait(gone, num_returns=len(gone), timeout=_STOP_GRACE)
         self._timer_wake.set()
@@ -244,6 +239,12 @@ class RayPool:
 
     def _check_open(self) -> None:
         self.check_owner()
+        if not self._closed and not self._ray.is_initialized():
+            self._ray_gone = True
+            self._close_now(wait=False)  # nothing of Ray is touched: it is gone
+        if self._ray_gone:
+            raise RuntimeError("Ray was shut down (ray.shutdown()) while this executor was open, and its actors "
+                               "with it; create a new ParallelExecutor (it starts or joins a Ray again)")
         if self._closed or self._closing:
             raise RuntimeError("this executor has been shut down; create a new one")
 
@@ -264,32 +265,45 @@ class RayPool:
             self.start()
         payload = self._put((args, kwargs))
         call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True, fail_fast=fail_fast)
-        call.fn_ref = self._inline_or_put(_message(fn_blob), len(fn_blob.body))
         # This thread waits on the replies of the tasks it sends itself (ray.wait): a reply then costs
         # no hop through a thread of Ray's and a concurrent Future, about a third of a warm call.
         call.owner, call.direct = threading.get_ident(), []
         self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots])
         try:
+            try:  # every reply in one ray.get, as a caller of actors by hand does
+                replies = self._ray.get([d[2] for d in call.direct], timeout=_LOOK) if call.direct else []
+            except Exception:  # not all in yet, or one failed: each as it comes, below
+                replies = None
+            if replies is not None:
+                sent, call.direct = call.direct, []  # (a task sent again, its body asked for, comes in anew)
+                for (slot, task, _), reply in zip(sent, replies):
+                    self._settle(slot, task, lambda reply=reply: reply)
             while call.direct:
-                refs = [ref for _, _, ref in call.direct]
-                ready, _ = self._ray.wait(refs, num_returns=1)
-                for slot, task, ref in [d for d in call.direct if d[2] in ready]:
+                # Looking every _LOOK seconds for replies in early: a death fails the call at once.
+                ready = self._ray.wait([d[2] for d in call.direct], num_returns=len(call.direct), timeout=_LOOK)[0]
+                done = [d for d in call.direct if d[2] in ready]
+                for (slot, task, ref), outcome in zip(done, self._outcomes([d[2] for d in done])):
                     call.direct.remove((slot, task, ref))
-                    self._settle(slot, task, lambda ref=ref: self._ray.get(ref))
+                    self._settle(slot, task, outcome)
             return call.future.result()
         except KeyboardInterrupt:
             self.terminate()
             raise
 
+    def _outcomes(self, refs: list) -> list:
+        """For each of ``refs`` (all ready), what returns its reply or raises its error: one ray.get for all."""
+        try:
+            return [lambda reply=reply: reply for reply in self._ray.get(refs)]
+        except Exception:  # one of them failed: each on its own
+            return [lambda ref=ref: self._ray.get(ref) for ref in refs]
+
     def submit(self, fn_id, fn_blob, kind, objs, timeout, name) -> list[Future]:
         """Queue one task per object (``"run"``: ``(args, kwargs)``; ``"map"``: a chunk) for any free actor."""
         if not self._started:
             self.start()
-        fn_ref = self._inline_or_put(_message(fn_blob), len(fn_blob.body))
         calls, tasks = [], []
         for obj in objs:
             call = _Call(fn_id, kind, fn_blob, name, timeout, Future())
-            call.fn_ref = fn_ref
             calls.append(call)
             tasks.append(_Task(call, 0, self._put(obj), None))
         self._enqueue(calls, tasks)
@@ -319,7 +333,7 @@ class RayPool:
     def _dispatch(self) -> None:
         """Give each idle actor the first queued task that fits it (the lock is held)."""
         for slot in self._slots:
-            while slot.task is None and not slot.reviving and slot.actor is not None:
+            while slot.task is None and not slot.killing and slot.actor is not None:
                 task = next((t for t in self._queue if t.target is None or t.target == slot.index), None)
                 if task is None:
                     break
@@ -333,51 +347,120 @@ class RayPool:
                         continue
                     call.started = True
                 slot.task = task
-                slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
-                ref = slot.actor.call.remote(call.fn_ref, call.kind, task.payload)
-                if getattr(call, "owner", None) == threading.get_ident():
-                    call.direct.append((slot, task, ref))  # its caller waits on it (run)
+                if slot.stale:
+                    self._bring_back(slot)
                 else:
-                    ref.future().add_done_callback(lambda f, slot=slot, task=task: self._settle(slot, task, f.result))
-                if slot.deadline is not None:
-                    self._timer_wake.set()
+                    self._send(slot, task)
 
-    def _revive(self, slot: _Slot, tries: int = 0) -> None:
-        """Hold the slot's tasks until Ray has restarted its actor (the lock is held).
+    def _send(self, slot: _Slot, task: _Task) -> None:
+        """Send ``task`` to the actor of ``slot``, which has it now (the lock is held)."""
+        call = task.call
+        slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        message = call.fn_blob.message(slot.known)  # the body only if this actor lacks it
+        fn_arg = message if message[1] is None or len(message[1]) < _INLINE_BYTES else self._put_message(call, message)
+        try:
+            if fn_arg is message and type(task.payload) is bytes:  # nothing in the object store:
+                # one argument of bytes costs Ray a sixth of a warm call less than three of several types
+                ref = slot.actor.call_packed.remote(pickle.dumps((message, call.kind, task.payload), protocol=5))
+            else:
+                ref = slot.actor.call.remote(fn_arg, call.kind, task.payload)
+        except Exception as exc:  # Ray refused the task itself (its actor gone for good, say)
+            slot.task = slot.deadline = None
+            slot.known = _transport.FunctionCache()
+            self._fail(task, _failures.record(slot, _failures.clean(_worker.describe(exc)),
+                                              exc_type=type(exc).__qualname__))
+            return
+        if getattr(call, "owner", None) == threading.get_ident():
+            call.direct.append((slot, task, ref))  # its caller waits on it (run)
+        else:
+            ref.future().add_done_callback(lambda f, slot=slot, task=task: self._settle(slot, task, f.result))
+        if slot.deadline is not None:
+            self._timer_wake.set()
 
-        A task sent while the old process is still going down would die with
-        it; ``ready`` is safe to send again, so it goes first, until it is answered.
+    def _put_message(self, call: _Call, message: tuple):
+        """A large function's message in Ray's object store, once per call (a run sends it to every actor)."""
+        if getattr(call, "message_ref", None) is None:
+            call.message_ref = self._ray.put(message)
+        return call.message_ref
+
+    def _bring_back(self, slot: _Slot) -> None:
+        """Ask the actor of ``slot`` whether it is back (``ready`` runs its initializer); then send its task.
+
+        The lock is held; the task waits in ``slot.task`` under the start
+        timeout. A ready sent while the old process is still going down
+        would die with it (we killed it: ``grace``); one sent while Ray
+        restarts it is refused: asked again a moment later.
         """
-        slot.reviving = True
+        slot.starting = True
+        slot.deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
+        self._ask_ready(slot, slot.task)
+        if slot.deadline is not None:
+            self._timer_wake.set()
+
+    def _ask_ready(self, slot: _Slot, task: _Task) -> None:
+        if not self._ray.is_initialized():  # (ready.remote() would start a new Ray)
+            slot.task = slot.deadline = None
+            slot.starting = False
+            self._fail(task, _failures.record(slot, "Ray was shut down (ray.shutdown()) while the call waited"))
+            return
         ref = slot.actor.ready.remote()
-        ref.future().add_done_callback(lambda f: self._revived(slot, f, tries))
+        ref.future().add_done_callback(lambda f: self._answered(slot, task, f))
 
-    def _revive_again(self, slot: _Slot, tries: int) -> None:
+    def _ask_again(self, slot: _Slot, task: _Task) -> None:
         with self._lock:
-            if not self._closed and slot.actor is not None:
-                self._revive(slot, tries)
+            if not self._closed and slot.task is task and slot.starting:
+                self._ask_ready(slot, task)
 
-    def _revived(self, slot: _Slot, done: Future, tries: int) -> None:
+    def _answered(self, slot: _Slot, task: _Task, done: Future) -> None:
         with self._lock:
-            if self._closed or slot.actor is None:
-                return
+            if self._closed or slot.task is not task or not slot.starting:
+                return  # timed out or shut down meanwhile: already failed
             try:
                 _, where = done.result()
-                if where[:2] == slot.where[:2]:  # the old process answered before it went: not back yet
-                    raise self._ray.exceptions.RayActorError()
-                slot.where = where
-            except self._ray.exceptions.RayActorError:
-                if tries < _REVIVE_TRIES:  # Ray is still marking it as restarting: ask again soon
-                    timer = threading.Timer(0.1, self._revive_again, args=(slot, tries + 1))
-                    timer.daemon = True
-                    timer.start()
+                back = where[:2] != slot.where[:2]  # else the old process answered before it went
+            except self._ray.exceptions.RayActorError as exc:
+                if not _failures.never_sent(exc) and slot.grace == 0:
+                    # It died running ready, that is its initializer: Ray would restart it for ever.
+                    failure = _failures.died(slot, exc, "start-up (its initializer, run again after a restart)")
+                    self._break(WorkerDiedError.create([failure], {}, function=task.call.name))
                     return
-            except BaseException:
-                pass
-            slot.reviving = False
-            self._dispatch()
-            if not self._busy():
-                self._idle.notify_all()
+                slot.grace = 0 if _failures.never_sent(exc) else slot.grace - 1
+                back = False
+            except BaseException as exc:  # Ray itself failed: the task fails with it
+                slot.task = slot.deadline = None
+                slot.starting = False
+                self._fail(task, _failures.record(slot, _failures.clean(_worker.describe(exc)),
+                                                  exc_type=type(exc).__qualname__))
+                self._after_settle()
+                return
+            if not back:  # Ray is still restarting it: ask again soon
+                timer = threading.Timer(_REVIVE_PERIOD, self._ask_again, args=(slot, task))
+                timer.daemon = True
+                timer.start()
+                return
+            slot.where, slot.stale, slot.starting, slot.grace = where, False, False, 0
+            slot.known = _transport.FunctionCache()  # a new process holds no function yet
+            self._send(slot, task)
+
+    def _break(self, error: BaseException) -> None:
+        """An actor that cannot restart: as the local pool whose replacement worker cannot start, every
+        call fails with ``error`` and the pool closes (the lock is held)."""
+        self._closing = True
+        calls = [slot.task.call for slot in self._slots if slot.task is not None]
+        calls += [task.call for task in self._queue]
+        self._queue.clear()
+        for slot in self._slots:
+            slot.task = slot.deadline = None
+            slot.starting = False
+        for call in calls:
+            if not call.done:
+                call.done = True
+                if call.future.running() or call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(error)
+        self._idle.notify_all()
+        # Not here: this runs in Ray's callbacks, where ray.kill waits for the thread it is called from.
+        threading.Thread(target=self._close_now, kwargs={"wait": False}, daemon=True,
+                         name="nn_handler-ray-close").start()
 
     def _settle(self, slot: _Slot, task: _Task, outcome) -> None:
         """An actor's reply or death: resolve the task, give the actor its next one.
@@ -395,46 +478,36 @@ class RayPool:
         with self._lock:
             if slot.task is not task:
                 return  # timed out or shut down: already failed
+            if status in ("ok", "err", "miss") and where[:2] != slot.where[:2]:
+                slot.known = _transport.FunctionCache()  # restarted behind our back: a new process
+                slot.where = where
+            if status == "miss":  # it did not hold the body sent by its digest: send it whole
+                slot.known = _transport.FunctionCache()
+                self._send(slot, task)
+                return
             slot.task = slot.deadline = None
             if status == "ok":
-                slot.where = where
                 self._done(task, body)
             elif status == "err":
-                slot.where = where
                 failures, exceptions = [], {}
-                self._record(body, failures, exceptions)
+                _failures.load_error(body, failures, exceptions)
                 self._fail(task, failures[0], exceptions.get(failures[0].rank))
-            elif status == "died" and _never_sent(error):
-                self._queue.appendleft(task)  # the actor died idle, unseen: the task waits for its restart
-                self._revive(slot)
             elif status == "died":
-                self._fail(task, self._died(slot, error, "the call"), died=True)
-                if not self._closed:
-                    self._revive(slot)
+                slot.stale, slot.known = True, _transport.FunctionCache()
+                if _failures.never_sent(error):  # the actor died idle, unseen: the task waits for its restart
+                    slot.task = task
+                    self._bring_back(slot)
+                    return
+                self._fail(task, _failures.died(slot, error, "the call"), died=True)
             else:
-                self._fail(task, RankFailure(rank=slot.index, device=slot.device, pid=slot.where[0],
-                                             node=slot.where[1], host=slot.where[2],
-                                             exc_type=type(error).__qualname__, message=_worker.describe(error)))
-            if not self._closed:
-                self._dispatch()
-            if not self._busy():
-                self._idle.notify_all()
+                self._fail(task, *_failures.lost(self._ray, slot, task.call.name, error))
+            self._after_settle()
 
-    def _died(self, slot: _Slot, exc: BaseException, during: str) -> RankFailure:
-        pid, node, host = slot.where
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return RankFailure(rank=slot.index, device=slot.device, pid=pid, node=node, host=host,
-                           message=f"actor died during {during} ({type(exc).__name__}: {first}); "
-                                   f"Ray restarts it for the next call")
-
-    def _record(self, body, failures: list, exceptions: dict) -> None:
-        record, blob = body
-        failures.append(record)
-        if blob is not None:
-            try:
-                exceptions[record.rank] = _transport.loads(blob)
-            except (Exception, SystemExit):
-                pass  # a class only the actor can import: the record (type name, message, traceback) stays
+    def _after_settle(self) -> None:
+        if not self._closed:
+            self._dispatch()
+        if not self._busy():
+            self._idle.notify_all()
 
     # ----------------------------------------------------------------- outcomes (the lock is held)
     def _done(self, task: _Task, value) -> None:
@@ -456,29 +529,35 @@ class RayPool:
             for slot in self._slots:
                 if slot.task is not None and slot.task.call is call:
                     slot.task = slot.deadline = None
-                    self._restart(slot)
+                    if slot.starting:
+                        slot.starting = False  # still stale: its next task asks again
+                    else:
+                        self._restart(slot)
             call.pending = 0
         if call.pending == 0:
             self._finish(call)
 
     def _restart(self, slot: _Slot) -> None:
-        """Kill the actor of ``slot`` for Ray to restart (initializer again); its next tasks wait for it.
+        """Kill the actor of ``slot`` for Ray to restart (initializer again); its next task waits for it.
 
         From a thread of its own: this runs in Ray's callbacks too, and
         ``ray.kill`` called there waits for the thread it is called from.
         """
-        slot.reviving = True
-        threading.Thread(target=self._kill_and_revive, args=(slot, slot.actor), daemon=True,
+        slot.stale, slot.killing, slot.known = True, True, _transport.FunctionCache()
+        threading.Thread(target=self._kill, args=(slot, slot.actor), daemon=True,
                          name="nn_handler-ray-restart").start()
 
-    def _kill_and_revive(self, slot: _Slot, actor) -> None:
+    def _kill(self, slot: _Slot, actor) -> None:
         try:
-            self._ray.kill(actor, no_restart=False)
+            if self._ray.is_initialized():
+                self._ray.kill(actor, no_restart=False)
         except Exception:
             pass  # gone with its node: Ray restarts it elsewhere
         with self._lock:
-            if not self._closed and slot.actor is actor:
-                self._revive(slot)
+            slot.killing = False
+            if slot.actor is actor:
+                slot.grace = 1  # the next ready may still reach the old process and die with it
+                self._after_settle()
 
     def _finish(self, call: _Call) -> None:
         call.done = True
@@ -503,33 +582,19 @@ class RayPool:
             self._timer_wake.wait(wait)
             self._timer_wake.clear()
             now = time.monotonic()
-            stuck = []
             with self._lock:
                 for slot in self._slots:
-                    if slot.task is not None and slot.deadline is not None and now >= slot.deadline:
-                        task, slot.task, slot.deadline = slot.task, None, None
-                        task.call.timed_out = True
-                        self._fail(task, RankFailure(
-                            rank=slot.index, device=slot.device, pid=slot.where[0], node=slot.where[1],
-                            host=slot.where[2], message=f"still running after the {task.call.timeout:g}s timeout; "
-                                                        f"actor restarted"))
-                        stuck.append(slot)
-            if stuck:
-                with self._lock:
-                    for slot in stuck:
+                    if slot.task is None or slot.deadline is None or now < slot.deadline:
+                        continue
+                    task, slot.task, slot.deadline = slot.task, None, None
+                    task.call.timed_out = True
+                    if slot.starting:  # Ray has not brought it back (no room in the cluster?): left as it is
+                        slot.starting = False
+                        self._fail(task, _failures.record(slot, _failures.not_started(
+                            self._ray, slot, self._start_timeout, self._asked_timeout, what="come back"),
+                            exc_type="TimeoutError"))
+                    else:
+                        self._fail(task, _failures.record(slot, f"still running after the {task.call.timeout:g}s "
+                                                               f"timeout; actor restarted"))
                         self._restart(slot)  # stuck: replaced rather than waited for
-                    if not self._busy():
-                        self._idle.notify_all()
-
-
-def _never_sent(error: BaseException) -> bool:
-    """Whether Ray refused the task because its actor was restarting: it never reached the actor.
-
-    Ray says so only in the message of ActorUnavailableError (whose type
-    also covers a task lost in flight, which may have run and is never re-sent).
-    """
-    return type(error).__name__ == "ActorUnavailableError" and "actor is restarting" in str(error)
-
-
-def _message(fn_blob: _transport.PackedFunction) -> tuple:
-    return fn_blob.digest, fn_blob.body, fn_blob.bindings, fn_blob.unchanging
+                self._after_settle()
