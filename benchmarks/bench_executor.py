@@ -429,16 +429,24 @@ def cold_first_result(reps, tmpdir="/tmp"):
                                  text=True).stdout.split()[-1]) for _ in range(reps)]
 
 
-def cold_start(code, reps, tmpdir="/tmp"):
-    path = os.path.join(tmpdir, f"nnh_cold_{abs(hash(code))}.py")
-    with open(path, "w") as f:
-        f.write(code)
-    times = []
+def cold_starts(codes, reps, tmpdir="/tmp"):
+    """Median seconds of a whole process running each of ``codes`` (name -> script), the scripts alternating.
+
+    One of each per round, so that a machine that gets busier or quieter
+    (or a disk cache that warms) weighs on every script alike.
+    """
+    paths = {}
+    for name, code in codes.items():
+        paths[name] = os.path.join(tmpdir, f"nnh_cold_{abs(hash(code))}.py")
+        with open(paths[name], "w") as f:
+            f.write(code)
+    times = {name: [] for name in codes}
     for _ in range(reps):
-        t = time.perf_counter()
-        subprocess.run([sys.executable, path], check=True, timeout=120)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, path in paths.items():
+            t = time.perf_counter()
+            subprocess.run([sys.executable, path], check=True, timeout=120)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv=None):
@@ -492,9 +500,8 @@ def main(argv=None):
         for p in peers:
             p.close()
     clone = clone_throughput(reps)
-    cold_ours = cold_start(COLD_OURS, reps)
-    cold_spawn = cold_start(COLD_SPAWN, reps)
-    cold_import = cold_start(COLD_IMPORT, reps)
+    cold = cold_starts({"ours": COLD_OURS, "spawn": COLD_SPAWN, "import": COLD_IMPORT}, reps)
+    cold_ours, cold_spawn, cold_import = cold["ours"], cold["spawn"], cold["import"]
 
     metrics = list(next(iter(rows.values())))
     names = list(rows)
