@@ -108,6 +108,23 @@ def test_a_dropped_file_is_unlocked_and_unmapped_in_the_worker(worker, monkeypat
     assert encoder.lent._files == {}
 
 
+def test_a_file_whose_memory_cannot_be_unlocked_still_goes(worker, monkeypatch):
+    encoder, host = worker
+    monkeypatch.setattr(lending, "SPARE_FILES", 0)
+    got, _ = _round_trip(encoder, torch.ones(MiB))
+    del got
+    gc.collect()
+
+    def broken(ptr):
+        raise AssertionError("Unpinning shared memory failed with error-code: 1")
+
+    monkeypatch.setattr(host, "unregister", broken)
+    with pytest.warns(RuntimeWarning, match="could not unregister"):
+        encoder.lent.update(*lending.settle(encoder.prefix))  # the worker goes on to its next task
+    assert _mapped_files(encoder.prefix) == 0 and encoder.lent._files == {}
+    host.locked.clear()
+
+
 def test_a_message_that_fails_lets_its_files_go(worker):
     encoder, host = worker
     with pytest.raises(Exception):

@@ -249,6 +249,10 @@ class WorkerFiles:
         self._spare.discard(key)
         mapped = self._mapped.pop(key, None)
         if mapped is not None and mapped[1]:
-            self.host.unregister(mapped[0].data_ptr())  # the mapping goes with the tensor
+            try:
+                self.host.unregister(mapped[0].data_ptr())
+            except Exception as exc:  # a broken CUDA context: this worker must still serve its next task
+                warnings.warn(f"could not unregister a result file's page-locked memory: {exc}", RuntimeWarning)
+        del mapped  # the worker's mapping of the file goes with its tensor
         if entry is not None:
             os.close(entry[0])
