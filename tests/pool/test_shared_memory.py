@@ -279,3 +279,20 @@ def test_a_file_removed_before_it_is_read_is_an_error_not_zeros():
         with pytest.raises(FileNotFoundError):
             transport.loads(data)  # from_file() would have created an empty file and read zeros
     assert _files(os.getpid()) == []
+
+
+# ----------------------------------------------------------------------------- CUDA results
+@pytest.mark.gpu
+def test_cuda_results_arrive_whole_through_files_written_from_the_device_again_and_again():
+    def result(step, device):
+        torch.manual_seed(step)
+        value = torch.randn(8 << 20, device=device)  # 32 MiB: through a page-locked file
+        return value, value.sum().item(), value[::2].half()  # a strided view and half precision too
+
+    with ParallelExecutor(device_ids=[0]) as ex:
+        for step in range(4):  # from the second call on, each result is written into the last one's file
+            value, total, half = ex.submit(result, step).result()
+            assert value.device.type == "cpu" and not value.requires_grad
+            assert torch.isclose(value.double().sum(), torch.tensor(total, dtype=torch.float64), rtol=1e-3)
+            assert torch.equal(half, value[::2].half())
+            del value, half

@@ -23,7 +23,8 @@ directory: whoever cleans up a sender, a call or a dead caller globs that name.
 A worker's result files are lent rather than given: both sides keep them
 open (with no name), and once the caller has dropped a result the worker
 writes a later one of the same size into the same file, whose memory exists
-already (:mod:`.lending`).
+already (:mod:`.lending`). A CUDA result goes from the device straight into
+its file, through a mapping the worker keeps page-locked.
 
 Why not torch.multiprocessing's shared-memory reducers: they hand over file
 descriptors that the *sending* process must stay alive to serve, so a worker
@@ -171,6 +172,8 @@ class _Pickler(Pickler):
     def _sendable(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` as this pickler sends it (detached and on the CPU for results), or ``None``: torch pickles it."""
         if self._to_cpu and (t.requires_grad or t.device.type != "cpu"):
+            if self._direct(t):
+                return t.detach()  # from its device straight into its file (_write), no pageable copy
             t = t.detach().cpu()
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
             return None  # torch's own pickling knows these
@@ -179,6 +182,11 @@ class _Pickler(Pickler):
         if type(t) is torch.nn.Parameter:
             return None  # keep the Parameter type (rare in payloads; torch pickles it, its .data comes back here)
         return t
+
+    def _direct(self, t: torch.Tensor) -> bool:
+        return (self._lent is not None and not self._spill and t.nbytes >= SHM_THRESHOLD
+                and self._lent.copies_directly(t) and t.layout == torch.strided
+                and not (t.is_quantized or t.is_conj() or t.is_neg()))
 
     def _reduce_tensor(self, t: torch.Tensor):
         t = self._sendable(t)
@@ -204,6 +212,9 @@ class _Pickler(Pickler):
             self.created.append(path)
         self.written.append((path, fd, t.nbytes))
         try:
+            if self._direct(t):
+                self._lent.write_direct(path, fd, t)  # through a page-locked mapping it keeps
+                return path
             # write() fills tmpfs at memcpy speed; copying through a fresh
             # mapping page-faults every 4 KiB and runs at about half of it.
             flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -352,8 +363,8 @@ class Encoder:
         except BaseException:
             remove_files(pickler.created)
             if self.lent is not None:
-                for _, fd, _ in pickler.written:
-                    os.close(fd)
+                for path, fd, _ in pickler.written:
+                    self.lent.abandon(path, fd)
             raise
         return buf.getvalue(), pickler
 
