@@ -18,13 +18,15 @@ import os
 import pickle
 import re
 import signal
+import sys
+import textwrap
 import threading
 import weakref
 import time
 
 import pytest
 
-from helpers import pids_alive
+from helpers import pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError
 from nn_handler.errors import ConfigurationError
 
@@ -236,6 +238,31 @@ def test_add_done_callback(executor):
     assert got == [49, "again"]
 
 
+def test_a_slow_done_callback_holds_up_no_other_caller(executor):
+    slow_callback = threading.Event()
+    future = executor.submit(square, 2)
+    future.add_done_callback(lambda f: (slow_callback.set(), time.sleep(5)))
+    assert slow_callback.wait(60)  # it sleeps now, in the thread that settled the future
+    begin = time.monotonic()
+    other = executor.submit(square, 3)
+    assert time.monotonic() - begin < 2.5  # (ProcessPoolExecutor: at once)
+    assert other.result(timeout=60) == 9
+    time.sleep(max(0.0, begin + 5 - time.monotonic()))  # the callback is over before the next test
+
+
+def test_a_done_callback_may_submit_more(executor):
+    submitted = []
+    done = threading.Event()
+
+    def callback(future):
+        submitted.append(executor.submit(add, future.result(), 1))
+        done.set()
+
+    executor.submit(sleep_then, 0.5, 9).add_done_callback(callback)
+    assert done.wait(60) and submitted[0].result(timeout=60) == 10
+    assert executor.submit(square, 4).result(timeout=60) == 16  # and the executor is not wedged
+
+
 def test_cancel_a_queued_task(executor):
     blockers = [executor.submit(sleep_then, 1.0, i) for i in range(2)]
     queued = [executor.submit(square, i) for i in range(8)]
@@ -310,6 +337,42 @@ def test_map_read_while_another_thread_shuts_the_executor_down(fresh):
     got += list(results)
     closer.join(60)
     assert got == list(range(200)) and not closer.is_alive()
+
+
+_SUBMIT_THEN_EXIT = textwrap.dedent("""
+    import concurrent.futures as cf, multiprocessing as mp, sys, time
+    from nn_handler import ParallelExecutor
+
+    def touch(path):
+        time.sleep(0.3)
+        open(path, "w").close()
+
+    if __name__ == "__main__":
+        kind, how, folder = sys.argv[1:]
+        if kind == "ProcessPoolExecutor":
+            ex = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
+        else:
+            ex = ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False)
+        for i in range(6):
+            ex.submit(touch, f"{folder}/s{i}")
+        ex.map(touch, [f"{folder}/m{i}" for i in range(4)])
+        if how == "shutdown-without-waiting":
+            ex.shutdown(wait=False)
+        print("MAIN RETURNS", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["no-shutdown", "shutdown-without-waiting"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_program_does_not_exit_before_the_submitted_tasks_are_done(kind, how, tmp_path):
+    # "Regardless of the value of wait, the entire Python program will not exit until all pending futures
+    # are done executing." (CPython's test_interpreter_shutdown, test_hang_gh83386)
+    script = tmp_path / "submit_then_exit.py"
+    script.write_text(_SUBMIT_THEN_EXIT)
+    (tmp_path / "out").mkdir()
+    result = run_command([sys.executable, str(script), kind, how, str(tmp_path / "out")], timeout=90)
+    assert result.returncode == 0 and "MAIN RETURNS" in result.stdout, result.stdout[-3000:]
+    assert sorted(os.listdir(tmp_path / "out")) == [f"m{i}" for i in range(4)] + [f"s{i}" for i in range(6)]
 
 
 def test_context_manager(fresh):
@@ -533,9 +596,31 @@ def test_the_engine_thread_lets_go_once_nothing_is_outstanding():
                     assert pool._drive_once()
             assert future.result() == 9
             deadline = time.monotonic() + 5
-            while pool._driver.locked() and time.monotonic() < deadline:
+            while _held(pool._driver) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert not pool._driver.locked(), f"round {round_}"
+            assert not _held(pool._driver), f"round {round_}"
+
+
+def test_a_done_callback_may_call_run_and_wait_for_it(ours):
+    got = []
+    done = threading.Event()
+
+    def callback(future):
+        got.append(ours.run(add, future.result(), 1))  # in the thread that settled the future
+        done.set()
+
+    future = ours.submit(sleep_then, 0.5, 9)
+    future.add_done_callback(callback)
+    assert not future.done() or done.wait(0)  # (the callback runs in the engine's thread, not this one)
+    assert done.wait(60) and got == [[10, 10]]
+    assert ours.run(square, 4) == [16, 16]  # and the executor is not wedged
+
+
+def _held(lock) -> bool:
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    return True
 
 
 def test_submit_passes_the_device():

@@ -8,7 +8,8 @@ free workers at once; the engine waits on every worker's pipe and sentinel
 worker the next task that fits it, and enforces deadlines. One thread at a
 time does the engine's work: the caller waiting on ``run()``, else the
 pool's engine thread. Everything that touches the slots or the queue holds
-the pool lock; the engine lets go of it while it waits.
+the pool lock; the engine lets go of it while it waits. Futures settled under
+it get their results (and run their callbacks) once it is let go.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class _Call:
         self.failures: list[RankFailure] = []
         self.exceptions: dict = {}
         self.died = self.timed_out = self.started = self.done = False
+        # A call whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
+        self.caller_daemon = threading.current_thread().daemon
 
     # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
     def add_result(self, key: int, value) -> None:
@@ -254,7 +257,8 @@ class Scheduler:
                 pass  # full (it will wake anyway) or no engine yet
 
     def _busy(self) -> bool:
-        return bool(self._queue) or any(s.task is not None for s in self._slots)
+        # (a memory probe on its way back: its reply must be read now, to retire a worker above the limit)
+        return bool(self._queue) or any(s.task is not None or s.probing for s in self._slots)
 
     def _cancel_queued(self) -> None:
         while self._queue:
@@ -263,8 +267,9 @@ class Scheduler:
                 task.call.done = True
                 self._calls.discard(task.call)
                 _transport.remove_files(task.call.files)
-                if not task.call.future.cancel():  # a broadcast already running elsewhere
-                    task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
+                # (a broadcast already running elsewhere cannot be cancelled: it fails)
+                self._lock.later(task.call.future, cancel=True,
+                                 error=RuntimeError("this executor was shut down before the call ran"))
 
     def _close_wake_pipe(self) -> None:
         with self._wake_lock:
@@ -349,7 +354,6 @@ class Scheduler:
         if self._loading:
             # Unpickled after the workers have their next tasks, and without the lock.
             self._load_replies(self._loading)
-            self._loading = []
         return True
 
     def _fail_everything(self, exc: BaseException) -> None:
@@ -513,6 +517,7 @@ class Scheduler:
                                      message=f"the result could not be unpickled in the caller: {describe(exc)}")
                 outcomes.append((task, None, (record, slot, incarnation)))
         with self._lock:
+            self._loading = []  # loaded: a done-callback's run() driving from here starts afresh
             for *_, slot, incarnation, _, files in replies:
                 self._loaded(slot, incarnation, files)
             for task, value, failure in outcomes:
@@ -585,6 +590,6 @@ class Scheduler:
         if call.future.done():
             return
         if error is not None:
-            call.future.set_exception(error)
+            self._lock.later(call.future, error=error)
         else:
-            call.future.set_result(call.value(len(self._slots)))
+            self._lock.later(call.future, result=call.value(len(self._slots)))
