@@ -687,3 +687,33 @@ def test_a_map_task_past_the_executors_timeout_says_so():
         with pytest.raises(ExecutorTimeoutError, match="still running after the 2s timeout"):
             list(ex.map(sleep_then, [0.0, 60.0, 0.0], [1, 2, 3]))
         assert list(ex.map(square, range(4))) == [0, 1, 4, 9]
+
+
+_SLOW_TO_IMPORT = textwrap.dedent("""
+    import time
+    time.sleep(4)  # a heavy import (torch, a model zoo) on a loaded machine
+
+    def quick(x):
+        return x + 1
+""")
+
+
+def _add_to_path(path):
+    sys.path.insert(0, path)
+
+
+@pytest.mark.timeout(120)
+def test_the_timeout_counts_from_when_the_function_starts_not_from_its_modules_first_import(tmp_path):
+    (tmp_path / "nnh_slow_to_import.py").write_text(_SLOW_TO_IMPORT)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import nnh_slow_to_import  # (the caller pays the import too, once)
+
+        with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=3, initializer=_add_to_path,
+                              initargs=(str(tmp_path),)) as ex:
+            assert ex.submit(nnh_slow_to_import.quick, 1).result(timeout=60) == 2  # its first import: 4 s
+            with pytest.raises(TimeoutError, match="still running after the 3s timeout"):
+                ex.submit(sleep_then, 30, "late").result(timeout=60)  # the function's own time still counts
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("nnh_slow_to_import", None)

@@ -217,8 +217,9 @@ class ParallelExecutor(concurrent.futures.Executor):
             that many CPU workers (1 by default) with a ``RuntimeWarning``.
         pass_device: Call functions with ``device=torch.device(...)``.
         device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
-        timeout: Seconds per task once a worker has it; a task past it
-            raises ``TimeoutError`` and its stuck worker is replaced.
+        timeout: Seconds per task from when its function starts (loading it,
+            e.g. its module's first import, gets as long again); a task past
+            it raises ``TimeoutError`` and its stuck worker is replaced.
         initializer: Run once in each worker at start (``initializer(*initargs,
             device=...)`` when ``pass_device``), e.g. to load a model per GPU.
         initargs: Arguments for ``initializer``.
@@ -326,7 +327,8 @@ class ParallelExecutor(concurrent.futures.Executor):
 
         Args:
             wait: Return only once the workers are gone. ``False`` returns at
-                once; the tasks already submitted still run, then the workers end.
+                once; the tasks already submitted still run (the program does
+                not exit before they are done), then the workers end.
             cancel_futures: Cancel the tasks that no worker has started yet.
         """
         if wait:
@@ -341,9 +343,10 @@ class ParallelExecutor(concurrent.futures.Executor):
             One result per worker, in device order.
 
         Raises:
-            ParallelExecutionError: ``func`` raised on a worker (every failure
-                and remote traceback is in the message and ``.failures``); also
-                an instance of the exception's own type where that can be made.
+            ParallelExecutionError: ``func`` raised on a worker: the root
+                failure's own exception (type, args, attributes), also a
+                ``ParallelExecutionError``; every failure is in its last note
+                and ``.failures``, the remote traceback its ``__cause__``.
             WorkerDiedError: A worker died during the call.
             TimeoutError: The call ran past ``timeout``.
             TypeError: ``func`` or an argument cannot be pickled.

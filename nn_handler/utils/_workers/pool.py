@@ -182,7 +182,7 @@ class WorkerPool(Scheduler):
     def _start_worker(self, ctx, slot: _Slot) -> None:
         slot.incarnation += 1
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        reads = ctx.RawValue("Q", 0)  # see _Slot.reads
+        reads, started = ctx.RawValue("Q", 0), ctx.RawValue("d", 0.0)  # see _Slot.reads, _Slot.started
         prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
         # Not daemonic, so that a function may start its own executor in a
         # worker. What daemon=True gave, the pool does itself: shutdown() and
@@ -191,7 +191,7 @@ class WorkerPool(Scheduler):
         process = ctx.Process(
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                  self._pass_device, prefix, os.getpid(), reads),
+                  self._pass_device, prefix, os.getpid(), reads, started),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -213,7 +213,7 @@ class WorkerPool(Scheduler):
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
-            slot.reads, slot.sent = reads, 0
+            slot.reads, slot.started, slot.sent = reads, started, 0
             slot.inbox = pipes.Inbox(parent_conn, process)
             self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
