@@ -463,7 +463,7 @@ class _MapChunks:
         self.fn_id = pool.new_fn_id()
         self.items, self.chunksize = items, chunksize
         self.first = 0  # index of the first item of the next chunk to send
-        self.pending, self.closed, self.lock = 0, False, threading.Lock()
+        self.pending, self.closed, self.released, self.lock = 0, False, False, threading.Lock()
 
     def submit(self, count: int | None) -> list:
         """Submit the next ``count`` chunks (all that are left: ``None``); their futures."""
@@ -495,17 +495,19 @@ class _MapChunks:
     def _chunk_over(self, _future) -> None:
         with self.lock:
             self.pending -= 1
-            over = self.closed and self.pending == 0
-        if over:
-            self.fn_blob.release()
+            self._release_if(self.closed and self.pending == 0)
 
-    def close(self) -> None:
-        """No more chunks will be submitted."""
+    def close(self, release: bool = False) -> None:
+        """No more chunks will be submitted; ``release``: their results will not be read either, so the
+        function's files go now (a chunk a worker is loading may fail unseen), not with the last chunk."""
         with self.lock:
-            if self.closed:
-                return
-            self.closed, over = True, self.pending == 0
-        if over:
+            self.closed = True
+            self._release_if(release or self.pending == 0)
+
+    def _release_if(self, due: bool) -> None:
+        # Under the lock: whoever sees `released` set knows the files are gone.
+        if due and not self.released:
+            self.released = True
             self.fn_blob.release()
 
 
@@ -536,7 +538,7 @@ def _results(executor, futures: collections.deque, chunks: _MapChunks, end: floa
     finally:  # done, failed or abandoned: the chunks not started yet are dropped
         for future in futures:
             future.cancel()
-        chunks.close()
+        chunks.close(release=True)  # read to the end (every chunk is over), failed or abandoned
         if bar is not None:
             bar.close()
         del executor  # (held so that a pending map keeps its executor alive)
