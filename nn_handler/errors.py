@@ -136,14 +136,14 @@ def _likely_cause_first(f: "RankFailure") -> tuple[int, int]:
     return (2 if any(text in f.message for text in _PEER_GONE) else 0), f.rank
 
 
-def _render(failures: tuple[RankFailure, ...], what: str) -> str:
+def _render(failures: tuple[RankFailure, ...], what: str, root_traceback: bool = True) -> str:
     ordered = sorted(failures, key=_likely_cause_first)
     lines = [ordered[0].headline(what)]
     if len(ordered) > 1:
         lines.append(f"{len(ordered)} ranks failed; in order of likely cause:")
         lines.extend("  " + f.headline(what) for f in ordered)
-    for f in ordered:
-        if f.traceback:
+    for i, f in enumerate(ordered):
+        if f.traceback and (root_traceback or i):  # (without: the root's is the error's __cause__)
             lines.append(f"\n--- remote traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
     return "\n".join(lines)
 
@@ -185,73 +185,123 @@ def _remote_cause(failures: tuple[RankFailure, ...]) -> RemoteTraceback | None:
 class ParallelExecutionError(NNHandlerError, RuntimeError):
     """A function run by a :class:`~nn_handler.ParallelExecutor` failed on one or more workers.
 
+    Mostly raised as the task's own exception that is also this: see :meth:`create`.
+
     Attributes:
         failures: One :class:`RankFailure` per failed worker, root cause first.
         exceptions: The original exception objects by worker index (those that
-            could be rebuilt in this process).
+            could be rebuilt in this process). Where the task's exception has
+            an attribute of one of these names (an ExceptionGroup's
+            ``exceptions``), that one stays.
         function: The name of the function that was run.
     """
 
     def __init__(self, failures, exceptions=None, function: str = "call"):
-        self.failures = tuple(sorted(failures, key=_likely_cause_first))
-        self.exceptions = dict(exceptions or {})
-        self.function = function
+        _attach(self, tuple(sorted(failures, key=_likely_cause_first)), dict(exceptions or {}), function)
         # BaseException's own __init__, as RankFailedError does: see there.
-        BaseException.__init__(self, _render(self.failures, function))
+        BaseException.__init__(self, _render(self._failures, function))
         # Set here, not at the raise: an error rebuilt from its records (unpickled) gets it too.
-        self.__cause__ = _remote_cause(self.failures)
+        self.__cause__ = _remote_cause(self._failures)
 
     original_type: type[BaseException] | None = None  # set on the classes made by create()
 
     def __str__(self) -> str:
-        # Fixed here so that a derived class does not render through the
-        # original type's __str__ (KeyError would quote the whole text).
-        return BaseException.__str__(self)
+        return BaseException.__str__(self)  # (a class derived with KeyError's first renders as KeyError does)
 
     def __reduce__(self):
-        # Exceptions with a custom __init__ do not unpickle by default; keep
-        # the records, drop the live exception objects. A class made by
-        # create() cannot be pickled by name: rebuild it from its original type.
-        if self.original_type is not None:
-            return (_rebuild_parallel_error,
-                    (self.failures, self.function, _type_refs(self.original_type, ParallelExecutionError)))
-        return (type(self), (self.failures, {}, self.function))
+        # Exceptions with a custom __init__ do not unpickle by default; keep the records, not the exception objects.
+        return (type(self), (self._failures, {}, self._function))
 
     @classmethod
     def create(cls, failures, exceptions=None, function: str = "call") -> "ParallelExecutionError":
-        """Build the error, also an instance of the root failure's exception type where that is possible.
-
-        ``except ZeroDivisionError`` then catches a worker's ZeroDivisionError
-        (as with ``ProcessPoolExecutor``) and ``except ParallelExecutionError``
-        keeps working. The class is named ``ParallelExecutionError[ZeroDivisionError]``.
+        """The error for a failed call: the root failure's own exception (type, ``args``, attributes,
+        ``__notes__``), an instance of ``cls`` too, as ``cls[KeyError]``; where and on which process it failed is a
+        note, the remote traceback its ``__cause__``. Without the original (a death, a class this process cannot
+        import): a plain ``cls`` whose message tells it all.
 
         Example:
-            >>> failure = RankFailure(rank=0, exc_type="ZeroDivisionError", message="division by zero")
-            >>> err = ParallelExecutionError.create([failure], {0: ZeroDivisionError("division by zero")}, "f")
-            >>> isinstance(err, ZeroDivisionError), isinstance(err, ParallelExecutionError)
-            (True, True)
+            >>> failure = RankFailure(rank=0, pid=42, exc_type="KeyError", message="'weights'")
+            >>> err = ParallelExecutionError.create([failure], {0: KeyError("weights")}, "f")
+            >>> isinstance(err, KeyError), isinstance(err, ParallelExecutionError), err.args
+            (True, True, ('weights',))
+            >>> err.__notes__
+            ["f failed on rank 0 (?, pid 42): KeyError: 'weights'"]
         """
         error = cls(failures, exceptions, function)
-        root = error.failures[0] if error.failures else None
-        original = error.exceptions.get(root.rank) if root is not None and not root.died else None
-        derived = _derived_class(type(original), cls) if original is not None else None
-        if derived is None:
-            return error
+        root = error._failures[0] if error._failures else None
+        original = error._exceptions.get(root.rank) if root is not None and not root.died else None
+        combined = _combine(cls, original, error._failures, error._exceptions, function)
+        return error if combined is None else combined
+
+
+def _attach(error: BaseException, failures: tuple, exceptions: dict, function: str) -> None:
+    """The records of a call's failure; the public names only where the task's exception has no such attribute."""
+    error._failures, error._exceptions, error._function = failures, exceptions, function
+    for name, value in (("failures", failures), ("exceptions", exceptions), ("function", function)):
+        if not hasattr(error, name):
+            setattr(error, name, value)
+
+
+class _CooperativeEnd(Exception):
+    """Where a task type's ``super().__init__(...)`` lands in a combined class: Exception's own."""
+
+    def __init__(self, *args, **kwargs):
+        BaseException.__init__(self, *args, **kwargs)
+
+
+def _copy_as(original: BaseException, cls: type) -> BaseException:
+    """``original`` rebuilt as an instance of ``cls`` the way pickle would, then given its exact state."""
+    rebuild, args, state = (original.__reduce_ex__(4) + (None,))[:3]
+    made = cls(*args) if rebuild is type(original) else cls.__new__(cls, *original.args)
+    if state:
+        made.__setstate__(state) if hasattr(made, "__setstate__") else made.__dict__.update(state)
+    if "__notes__" in vars(made):
+        made.__notes__ = list(made.__notes__)  # ours are added to the copy only
+    fields = [name for klass in type(original).__mro__[:-2] if klass.__module__ == "builtins"  # errno, filename, ...
+              for name, slot in vars(klass).items() if type(slot) in (types.MemberDescriptorType, types.GetSetDescriptorType)]
+    for name in fields:  # (not BaseException's nor object's: args, __class__)
         try:
-            made = derived.__new__(derived, error.failures, error.exceptions, function)
-            cls.__init__(made, error.failures, error.exceptions, function)
-            return made
-        except Exception:  # a type whose __new__ rejects our arguments
-            return error
-
-
-def _rebuild_parallel_error(failures, function, type_refs):
-    derived = _derived_class(_load_type(type_refs), ParallelExecutionError)
-    if derived is None:
-        return ParallelExecutionError(failures, {}, function)
-    made = derived.__new__(derived, failures, {}, function)
-    ParallelExecutionError.__init__(made, failures, {}, function)
+            if getattr(original, name) is not getattr(made, name, None):
+                setattr(made, name, getattr(original, name))
+        except (AttributeError, TypeError):
+            pass  # read-only (an ExceptionGroup's exceptions: set by the constructor) or unset
+    made.args = original.args  # exact, even where __init__ reworded them
     return made
+
+
+def _combine(base: type, original, failures: tuple, exceptions: dict, function: str):
+    """``original`` as an instance of ``base[type(original)]`` with the failure records; ``None`` if impossible."""
+    try:
+        made = _copy_as(original, _derived_class(type(original), base))
+    except Exception:  # no original, no class (a final type), a constructor that will not take its own args
+        return None
+    _attach(made, failures, exceptions, function)
+    made._original = original
+    made.add_note(_render(failures, function, root_traceback=False))
+    made.__cause__ = _remote_cause(failures)
+    return made
+
+
+def _reduce_combined(self):
+    # The class is made at run time: pickled are the task's original exception (else its nearest importable
+    # type and args) and the records, combined again on load.
+    original = self._original
+    try:
+        pickle.dumps(original)
+    except Exception:
+        original = None
+    refs = _type_refs(self.original_type, ParallelExecutionError)
+    return _rebuild_parallel_error, (self._failures, self._function, refs, original, self.args, type(self).__bases__[-1])
+
+
+def _rebuild_parallel_error(failures, function, type_refs, original=None, args=(), base=ParallelExecutionError):
+    try:
+        original = _load_type(type_refs)(*args) if original is None else original
+        original.args = args  # as raised, even where its __init__ rewords them
+    except Exception:
+        original = None
+    combined = _combine(base, original, tuple(failures), {}, function)
+    return base(failures, {}, function) if combined is None else combined
 
 
 class WorkerDiedError(ParallelExecutionError):
@@ -359,9 +409,10 @@ _DERIVED: dict[tuple, type] = {}  # (base, original type) -> derived class
 
 def _derived_class(exc_type, base: type | None = None) -> type | None:
     """``base[exc_type]`` (``RankFailedError`` by default), made once per type; ``None`` when it cannot or need
-    not exist."""
+    not exist. A ParallelExecutionError's puts the task's type first: its methods and ``__init__`` win."""
     base = base or RankFailedError
-    if isinstance(exc_type, type) and issubclass(exc_type, base):
+    task_first = issubclass(base, ParallelExecutionError)
+    if isinstance(exc_type, type) and issubclass(exc_type, ParallelExecutionError if task_first else base):
         exc_type = exc_type.original_type  # an error relayed again: keep the root type
     # Only Exception subclasses: an error that is also a KeyboardInterrupt or
     # SystemExit would escape `except Exception` where nothing was interrupted.
@@ -372,11 +423,12 @@ def _derived_class(exc_type, base: type | None = None) -> type | None:
     cls = _DERIVED.get((base, exc_type))
     if cls is None:
         name = f"{base.__name__}[{exc_type.__name__}]"
+        namespace = dict(__module__=__name__, __qualname__=name, original_type=exc_type)
+        namespace.update(dict(__reduce__=_reduce_combined) if task_first else {})
         try:
-            cls = types.new_class(name, (base, exc_type), {},
-                                  lambda ns: ns.update(__module__=__name__, __qualname__=name,
-                                                       original_type=exc_type))
-        except TypeError:  # layout conflicts, final classes, metaclass conflicts
+            cls = types.new_class(name, (exc_type, _CooperativeEnd, base) if task_first else (base, exc_type), {},
+                                  lambda ns: ns.update(namespace))
+        except TypeError:  # what Python forbids: a final class, a metaclass or layout conflict
             return None
         cls = _DERIVED.setdefault((base, exc_type), cls)
     return cls

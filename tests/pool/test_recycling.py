@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -69,6 +70,18 @@ def test_worker_memory_limit_replaces_a_worker_that_grew():
         assert grown == small[0]
         after = ex.submit(_count).result(timeout=60)
         assert after[0] != grown and after[1] == 1 and not pids_alive([grown])
+
+
+def test_a_worker_above_the_memory_limit_is_retired_once_its_result_is_sent():
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (128 << 20)) as ex:
+        grown = ex.submit(_hold, 256).result(timeout=60)
+        deadline = time.monotonic() + 30
+        while pids_alive([grown]) and time.monotonic() < deadline:  # no next call: it does not wait for one
+            time.sleep(0.1)
+        assert not pids_alive([grown])
+        assert ex.submit(_count).result(timeout=60)[1] == 1  # a fresh worker
 
 
 def _big_result(megabytes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import errno
@@ -9,6 +10,7 @@ import inspect
 import itertools
 import os
 import sys
+import threading
 import time
 import types
 import warnings
@@ -219,8 +221,9 @@ class ParallelExecutor(concurrent.futures.Executor):
             that many CPU workers (1 by default) with a ``RuntimeWarning``.
         pass_device: Call functions with ``device=torch.device(...)``.
         device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
-        timeout: Seconds per task once a worker has it; a task past it
-            raises ``TimeoutError`` and its stuck worker is replaced.
+        timeout: Seconds per task from when its function starts (loading it,
+            e.g. its module's first import, gets as long again); a task past
+            it raises ``TimeoutError`` and its stuck worker is replaced.
         initializer: Run once in each worker at start (``initializer(*initargs,
             device=...)`` when ``pass_device``), e.g. to load a model per GPU.
         initargs: Arguments for ``initializer``.
@@ -328,7 +331,8 @@ class ParallelExecutor(concurrent.futures.Executor):
 
         Args:
             wait: Return only once the workers are gone. ``False`` returns at
-                once; the tasks already submitted still run, then the workers end.
+                once; the tasks already submitted still run (the program does
+                not exit before they are done), then the workers end.
             cancel_futures: Cancel the tasks that no worker has started yet.
         """
         if wait:
@@ -351,9 +355,10 @@ class ParallelExecutor(concurrent.futures.Executor):
             One result per worker, in device order.
 
         Raises:
-            ParallelExecutionError: ``func`` raised on a worker (every failure
-                and remote traceback is in the message and ``.failures``); also
-                an instance of the exception's own type where that can be made.
+            ParallelExecutionError: ``func`` raised on a worker: the root
+                failure's own exception (type, args, attributes), also a
+                ``ParallelExecutionError``; every failure is in its last note
+                and ``.failures``, the remote traceback its ``__cause__``.
             WorkerDiedError: A worker died during the call.
             TimeoutError: The call ran past ``timeout``.
             TypeError: ``func`` or an argument cannot be pickled.
@@ -404,12 +409,15 @@ class ParallelExecutor(concurrent.futures.Executor):
         return future
 
     def map(self, fn: Callable[..., R], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1, progress: bool = False) -> Iterator[R]:
+            chunksize: int = 1, buffersize: int | None = None, progress: bool = False) -> Iterator[R]:
         """``fn(item)`` for every item (``fn(a, b)`` over several iterables), spread over the free workers.
 
-        As :meth:`concurrent.futures.Executor.map`: the results come in input
-        order as they arrive, the first before the last item is done. The
-        input is read a few chunks ahead of the results, so a generator of a
+        As :meth:`concurrent.futures.Executor.map`: every item is submitted
+        when ``map`` is called (so a map never iterated, or read after
+        ``shutdown``, still runs all of them); the results come in input
+        order as they arrive, the first before the last item is done. With
+        ``buffersize``, as in Python 3.14, the input is read lazily instead,
+        at most that many chunks ahead of the results: a generator of a
         million items is never held at once.
 
         Args:
@@ -419,31 +427,34 @@ class ParallelExecutor(concurrent.futures.Executor):
                 past it the iterator raises ``TimeoutError``.
             chunksize: Items sent to a worker in one message; larger chunks
                 cost less per item for small work.
+            buffersize: Chunks (items, with ``chunksize=1``) submitted ahead
+                of the result being read; ``None``: all of them at once.
             progress: Draw a tqdm bar (items/s, ETA) on a terminal.
 
         Returns:
             An iterator over the results, in input order (``list(...)`` for a list).
         """
         check_int("chunksize", chunksize, minimum=1)
+        check_int("buffersize", buffersize, minimum=1, allow_none=True)
         check_number("timeout", timeout, unit="seconds", allow_none=True)
-        if not iterables:
-            raise TypeError("map() needs at least one iterable")
         self._pool.check_owner()
+        if not iterables:
+            return iter(())  # as zip() of nothing: no item, no call
         if len(iterables) == 1:
             fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions), iter(iterables[0])
         else:
             fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
         end = None if timeout is None else time.monotonic() + timeout
         total = _length(iterables)
-        results = _MapResults(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize, end,
-                              ahead=4 * self.num_workers)
-        results.owner = self  # as with submit: a pending map keeps its executor alive
+        chunks = _MapChunks(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize)
         try:
-            results.fill()  # work starts now, and items that cannot be pickled fail here when they come first
+            futures = collections.deque(chunks.submit(buffersize))  # all of them, unless buffered
         except BaseException:
-            results.release()
+            chunks.close()
             raise
-        return results.iterate(_progress_bar(progress, total))
+        if buffersize is None:
+            chunks.close()  # nothing more to send: the function's files go with its last chunk
+        return _results(self, futures, chunks, end, _progress_bar(progress, total))
 
 
 def _length(iterables) -> int | None:
@@ -461,31 +472,29 @@ def _progress_bar(progress: bool, total: int | None):
     return tqdm(total=total, unit="item", desc="map", file=sys.stderr)
 
 
-class _MapResults:
-    """The futures of a map's chunks, a bounded number ahead of the one the caller waits for."""
+class _MapChunks:
+    """A map's input cut into chunks and submitted; the function's large-tensor files live until every chunk
+    submitted is over and no more will be."""
 
-    def __init__(self, pool, fn_blob, name, task_timeout, items, chunksize, end, ahead):
+    def __init__(self, pool, fn_blob, name, task_timeout, items, chunksize):
         self.pool, self.fn_blob, self.name, self.task_timeout = pool, fn_blob, name, task_timeout
-        # The function's large-tensor files go when the map is over, or dropped unread.
-        self.release = weakref.finalize(self, fn_blob.release)
         self.fn_id = pool.new_fn_id()
-        self.items, self.chunksize, self.end, self.ahead = items, chunksize, end, ahead
-        self.futures: list = []
+        self.items, self.chunksize = items, chunksize
         self.first = 0  # index of the first item of the next chunk to send
-        self.exhausted = False
+        self.pending, self.closed, self.released, self.lock = 0, False, False, threading.Lock()
 
-    def fill(self) -> None:
+    def submit(self, count: int | None) -> list:
+        """Submit the next ``count`` chunks (all that are left: ``None``); their futures."""
         chunks = []
-        while not self.exhausted and len(self.futures) + len(chunks) < self.ahead:
+        while count is None or len(chunks) < count:
             chunk = list(itertools.islice(self.items, self.chunksize))
-            if chunk:
-                chunks.append(chunk)
-            else:
-                self.exhausted = True
+            if not chunk:
+                break
+            chunks.append(chunk)
         if not chunks:
-            return
+            return []
         try:
-            self.futures += self.pool.submit(self.fn_id, self.fn_blob, "map", chunks, self.task_timeout, self.name)
+            futures = self.pool.submit(self.fn_id, self.fn_blob, "map", chunks, self.task_timeout, self.name)
         except PayloadPicklingError:
             for i, item in enumerate(item for chunk in chunks for item in chunk):
                 try:
@@ -495,25 +504,59 @@ class _MapResults:
                                     f"to the workers: {exc}") from exc
             raise
         self.first += sum(len(chunk) for chunk in chunks)
+        with self.lock:
+            self.pending += len(futures)
+        for future in futures:
+            future.add_done_callback(self._chunk_over)
+        return futures
 
-    def iterate(self, bar) -> Iterator:
-        try:
-            while self.futures:
-                future = self.futures.pop(0)
-                self.fill()
-                left = None if self.end is None else self.end - time.monotonic()
-                try:
-                    chunk = future.result(left)
-                except (TimeoutError, concurrent.futures.TimeoutError):
-                    if future.done():
-                        raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
-                    raise TimeoutError(f"map of {self.name}: results not in within its timeout") from None
-                if bar is not None:
-                    bar.update(len(chunk))
-                yield from chunk
-        finally:  # done, failed or abandoned: the chunks not started yet are dropped
-            for future in self.futures:
-                future.cancel()
-            self.release()
+    def _chunk_over(self, _future) -> None:
+        with self.lock:
+            self.pending -= 1
+            self._release_if(self.closed and self.pending == 0)
+
+    def close(self, release: bool = False) -> None:
+        """No more chunks will be submitted; ``release``: their results will not be read either, so the
+        function's files go now (a chunk a worker is loading may fail unseen), not with the last chunk."""
+        with self.lock:
+            self.closed = True
+            self._release_if(release or self.pending == 0)
+
+    def _release_if(self, due: bool) -> None:
+        # Under the lock: whoever sees `released` set knows the files are gone.
+        if due and not self.released:
+            self.released = True
+            self.fn_blob.release()
+
+
+def _results(executor, futures: collections.deque, chunks: _MapChunks, end: float | None, bar) -> Iterator:
+    """The items of each chunk's result in order, one more chunk submitted per chunk read while ``chunks`` is
+    open (``buffersize``). Nothing is held once yielded: a result the caller dropped is freed at once. Closed
+    early, the chunks not started are cancelled."""
+    try:
+        while futures:
+            future = futures.popleft()
+            if not chunks.closed:
+                futures.extend(chunks.submit(1) or chunks.close() or ())
+            try:
+                chunk = future.result(None if end is None else end - time.monotonic())
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                if future.done():
+                    raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
+                raise TimeoutError(f"map of {chunks.name}: results not in within its timeout") from None
+            finally:
+                future.cancel()  # (past the map's timeout: it will not be read)
+                del future
             if bar is not None:
-                bar.close()
+                bar.update(len(chunk))
+            chunk.reverse()
+            while chunk:
+                yield chunk.pop()
+            del chunk
+    finally:  # done, failed or abandoned: the chunks not started yet are dropped
+        for future in futures:
+            future.cancel()
+        chunks.close(release=True)  # read to the end (every chunk is over), failed or abandoned
+        if bar is not None:
+            bar.close()
+        del executor  # (held so that a pending map keeps its executor alive)

@@ -117,7 +117,8 @@ def _call_rank(executor: ParallelExecutor, rank: int, payload: bytes, setup: _Se
         pass  # past the launcher's own deadline: the rank counts as unfinished
     except ParallelExecutionError as exc:  # WorkerDiedError too
         # A one-worker pool calls its worker 0: the record gets the rank back.
-        outcome = _Outcome(failure=dataclasses.replace(exc.failures[0], rank=rank), exception=exc.exceptions.get(0))
+        # (_failures, _exceptions: the records even where the task's exception has attributes of the public names)
+        outcome = _Outcome(failure=dataclasses.replace(exc._failures[0], rank=rank), exception=exc._exceptions.get(0))
     except BaseException as exc:  # noqa: BLE001 - the caller's thread decides what to raise
         outcome = _Outcome(failure=RankFailure(rank, executor.devices[0], message=f"{type(exc).__name__}: {exc}"),
                            exception=exc)

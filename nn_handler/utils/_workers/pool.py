@@ -41,6 +41,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from multiprocessing.connection import wait
 
 from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
@@ -54,6 +55,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
 from . import lending, pipes
 from . import transport as _transport
 from .scheduler import _STOP_GRACE, Scheduler, _Slot, _Task
+from .settling import SettlingLock
 from .worker import guard_against_bootstrap, main_module_hidden, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
@@ -62,6 +64,28 @@ _pool_ids = itertools.count()
 
 
 _forkserver_user: int | None = None  # the process whose forkserver our workers come from
+_open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
+
+
+def _finish_at_exit() -> None:
+    """The program does not exit until the tasks submitted are done, as ``concurrent.futures`` promises.
+
+    Run by ``threading``'s shutdown hook (as ``concurrent.futures`` does),
+    before non-daemon threads are joined and before the executors'
+    finalizers (``atexit``) kill what is left.
+    """
+    for pool in list(_open_pools):
+        pool.finish_at_exit()
+
+
+def _register_exit_hook() -> None:
+    try:
+        threading._register_atexit(_finish_at_exit)
+    except (AttributeError, RuntimeError):  # another Python, or the interpreter is already shutting down
+        pass
+
+
+_register_exit_hook()
 
 
 def _context():
@@ -107,7 +131,7 @@ class WorkerPool(Scheduler):
         self.functions = _transport.Encoder(_transport.shm_prefix(f"{self._token}-f"), private=True)
         # map items go to one worker each: it unlinks their files as it loads them
         self._items = _transport.Encoder(_transport.shm_prefix(f"{self._token}-m"))
-        self._lock = threading.RLock()  # the slots and the queue
+        self._lock = SettlingLock()  # the slots and the queue; futures settle once it is let go
         self._queue: collections.deque[_Task] = collections.deque()
         self._calls: set = set()  # every call not finished yet: none is left unanswered when the pool closes
         self._idle = threading.Condition(self._lock)  # notified when nothing is queued or running
@@ -115,7 +139,9 @@ class WorkerPool(Scheduler):
         self._wake_r = self._wake_w = None
         self._wake_lock = threading.Lock()
         self._engine_wanted = threading.Condition(self._lock)  # the engine thread waits here while nothing is outstanding
-        self._driver = threading.Lock()  # held by the thread doing the engine's work (see Scheduler)
+        # Held by the thread doing the engine's work (see Scheduler); re-entrant: a done-callback run by that
+        # thread may call run() and drive its call itself.
+        self._driver = threading.RLock()
         self._poller, self._watched, self._polled = None, {}, None  # the driver's: what it polls, as of which generation
         self._replies: list = []  # the driver's: results read, to unpickle once the lock is let go
         self._loading: list = []  # the driver's: results being unpickled
@@ -124,6 +150,7 @@ class WorkerPool(Scheduler):
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
+        _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
     def start(self, slots: list[_Slot] | None = None) -> None:
@@ -155,7 +182,7 @@ class WorkerPool(Scheduler):
     def _start_worker(self, ctx, slot: _Slot) -> None:
         slot.incarnation += 1
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        reads = ctx.RawValue("Q", 0)  # see _Slot.reads
+        reads, started = ctx.RawValue("Q", 0), ctx.RawValue("d", 0.0)  # see _Slot.reads, _Slot.started
         prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
         # Not daemonic, so that a function may start its own executor in a
         # worker. What daemon=True gave, the pool does itself: shutdown() and
@@ -164,7 +191,7 @@ class WorkerPool(Scheduler):
         process = ctx.Process(
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                  self._pass_device, prefix, os.getpid(), reads),
+                  self._pass_device, prefix, os.getpid(), reads, started),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -186,7 +213,7 @@ class WorkerPool(Scheduler):
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
-            slot.reads, slot.sent = reads, 0
+            slot.reads, slot.started, slot.sent = reads, started, 0
             slot.inbox = pipes.Inbox(parent_conn, process)
             self._generation += 1
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
@@ -270,6 +297,22 @@ class WorkerPool(Scheduler):
         except BaseException:
             self.terminate()  # Ctrl-C while waiting: no worker outlives it
             raise
+
+    def finish_at_exit(self) -> None:
+        """Let every task submitted finish, then stop the workers; a call whose caller is a daemon thread
+        (``run()``, never joined) is cut short instead, its workers killed."""
+        if os.getpid() != self._owner or self._closed:
+            return
+        with self._lock:
+            abandoned = {t.call for t in self._queue if t.call.caller_daemon}
+            abandoned |= {s.task.call for s in self._slots if s.task is not None and s.task.call.caller_daemon}
+            for call in abandoned:
+                for slot in self._slots:
+                    if slot.task is not None and slot.task.call is call:
+                        slot.task = None
+                        self._kill(slot)  # the next task starts a fresh worker
+                self._finish(call, RuntimeError("the interpreter exited while this call of a daemon thread ran"))
+        self.shutdown()
 
     def shutdown_later(self, cancel: bool = False) -> None:
         """``shutdown(wait=False)`` of an executor: no new tasks; the workers stop once the queued ones are done."""

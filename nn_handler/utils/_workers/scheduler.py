@@ -8,7 +8,8 @@ free workers at once; the engine waits on every worker's pipe and sentinel
 worker the next task that fits it, and enforces deadlines. One thread at a
 time does the engine's work: the caller waiting on ``run()``, else the
 pool's engine thread. Everything that touches the slots or the queue holds
-the pool lock; the engine lets go of it while it waits.
+the pool lock (futures settled under it get their results once it is let go);
+the engine lets go of it while it waits.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class _Slot:
     inbox: "pipes.Inbox | None" = None  # what it sent, read as it comes
     task_message: int = 0  # the number of its task's message
     deadline: float | None = None
+    started: object = None  # when it began its task's function (shared memory): the timeout counts from then,
+    handed: float = 0.0  # not from when the task was handed over, before its module's first import
     served: int = 0  # tasks since it started (max_tasks_per_worker)
     probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
 
@@ -99,6 +102,8 @@ class _Call:
         self.failures: list[RankFailure] = []
         self.exceptions: dict = {}
         self.died = self.timed_out = self.started = self.done = False
+        # A call whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
+        self.caller_daemon = threading.current_thread().daemon
 
     # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
     def add_result(self, key: int, value) -> None:
@@ -253,8 +258,8 @@ class Scheduler:
             except (BlockingIOError, TypeError, OSError):
                 pass  # full (it will wake anyway) or no engine yet
 
-    def _busy(self) -> bool:
-        return bool(self._queue) or any(s.task is not None for s in self._slots)
+    def _busy(self) -> bool:  # (a memory probe on its way back: read now, to retire a worker above the limit)
+        return bool(self._queue) or any(s.task is not None or s.probing for s in self._slots)
 
     def _cancel_queued(self) -> None:
         while self._queue:
@@ -263,8 +268,9 @@ class Scheduler:
                 task.call.done = True
                 self._calls.discard(task.call)
                 _transport.remove_files(task.call.files)
-                if not task.call.future.cancel():  # a broadcast already running elsewhere
-                    task.call.future.set_exception(RuntimeError("this executor was shut down before the call ran"))
+                # (a broadcast already running elsewhere cannot be cancelled: it fails)
+                self._lock.later(task.call.future, cancel=True,
+                                 error=RuntimeError("this executor was shut down before the call ran"))
 
     def _close_wake_pipe(self) -> None:
         with self._wake_lock:
@@ -349,7 +355,6 @@ class Scheduler:
         if self._loading:
             # Unpickled after the workers have their next tasks, and without the lock.
             self._load_replies(self._loading)
-            self._loading = []
         return True
 
     def _fail_everything(self, exc: BaseException) -> None:
@@ -421,8 +426,8 @@ class Scheduler:
                 raise
             self._finish(call, exc)
             return
-        slot.task = task
-        slot.deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        slot.task, slot.handed = task, time.monotonic()
+        slot.deadline = None if call.timeout is None else slot.handed + call.timeout
         fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
         slot.has_fn_for = call.fn_id
         # What it may write again, once every reply it sent has been loaded (see lending.settle).
@@ -478,7 +483,7 @@ class Scheduler:
         if status == "mem":
             slot.probing = False
             if body > self._memory_limit:
-                self._retire(slot)
+                self._kill(slot)  # recycled: the next task starts a fresh one (the initializer runs again)
             return
         slot.task = None
         slot.served += 1
@@ -500,7 +505,7 @@ class Scheduler:
                 self._kill(slot)
             self._task_failed(task, record, exc)
         if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
-            self._retire(slot)
+            self._kill(slot)  # recycled, as above
 
     def _load_replies(self, replies: list) -> None:
         """Unpickle results (outside the lock), then hand them to their futures."""
@@ -513,6 +518,7 @@ class Scheduler:
                                      message=f"the result could not be unpickled in the caller: {describe(exc)}")
                 outcomes.append((task, None, (record, slot, incarnation)))
         with self._lock:
+            self._loading = []  # loaded: a done-callback's run() driving from here starts afresh
             for *_, slot, incarnation, _, files in replies:
                 self._loaded(slot, incarnation, files)
             for task, value, failure in outcomes:
@@ -524,16 +530,18 @@ class Scheduler:
                     self._drop_reply_files(slot)  # else its kill or the shutdown removes them
                 self._task_failed(task, record)
 
-    def _retire(self, slot: _Slot) -> None:
-        """Recycling: end a worker after its task; the next task starts a fresh one (the initializer runs again)."""
-        self._kill(slot)
-
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for slot in self._slots:
             task = slot.task
             if task is not None and slot.deadline is not None and now >= slot.deadline and not task.call.done:
-                self._timeout(task.call)
+                began, timeout = slot.started.value, task.call.timeout
+                if began >= slot.handed and now < began + timeout:
+                    slot.deadline = began + timeout  # it started late (loading): its own time runs from then
+                elif slot.acked and began < slot.handed and now < slot.handed + 2 * timeout:
+                    slot.deadline = min(now + 0.05, slot.handed + 2 * timeout)  # loading gets as long again
+                else:
+                    self._timeout(task.call)
 
     def _timeout(self, call: _Call) -> None:
         """Kill the workers still running the call's tasks (stuck: replace them rather than wait); fail it."""
@@ -541,7 +549,9 @@ class Scheduler:
         for slot in self._slots:
             if slot.task is not None and slot.task.call is call:
                 pid = slot.process.pid
-                what = "still running after" if slot.acked else "had not taken the call's arguments within"
+                loading = slot.acked and slot.started.value < slot.handed
+                what = ("was still loading the function or its arguments after twice" if loading else
+                        "still running after" if slot.acked else "had not taken the call's arguments within")
                 slot.task = None
                 self._kill(slot)
                 call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
@@ -585,6 +595,6 @@ class Scheduler:
         if call.future.done():
             return
         if error is not None:
-            call.future.set_exception(error)
+            self._lock.later(call.future, error=error)
         else:
-            call.future.set_result(call.value(len(self._slots)))
+            self._lock.later(call.future, result=call.value(len(self._slots)))

@@ -149,10 +149,11 @@ def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_de
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int, reads=None) -> None:
+                shm_prefix: str | None, parent_pid: int, reads=None, started=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
+    ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
     """
     global _index
     _index = index
@@ -217,6 +218,8 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
             elif cached_call != call_id:
                 raise RuntimeError("internal error: no function was sent for this call")
             payload = _transport.loads(payload_blob)
+            if started is not None:  # the task's timeout counts from here, not from its module's first import
+                started.value = time.monotonic()
             if kind == "run":
                 args, kwargs = payload
                 result = call(cached_fn, args, kwargs)
