@@ -158,7 +158,7 @@ def test_a_failing_model_raises_with_the_remote_traceback():
 
     with pytest.raises(ParallelExecutionError, match="shape mismatch in layer 3") as info:
         parallel_predict(Broken(), torch.ones(4, 2), batch_size=2, device_ids=CPUS)
-    assert "in forward" in str(info.value.__cause__)  # the worker's traceback
+    assert "in forward\n    raise ValueError" in str(info.value.__cause__)  # the worker's traceback, source and all
 
 
 def test_a_factory_that_returns_no_model():
