@@ -418,7 +418,7 @@ def _derived_class(exc_type, base: type | None = None) -> type | None:
     # SystemExit would escape `except Exception` where nothing was interrupted.
     if not isinstance(exc_type, type) or not issubclass(exc_type, Exception):
         return None
-    if issubclass(base, exc_type):  # RuntimeError, Exception: already one
+    if (above := issubclass(base, exc_type)) and not task_first:  # RuntimeError, Exception: a base of ours
         return None
     cls = _DERIVED.get((base, exc_type))
     if cls is None:
@@ -426,8 +426,9 @@ def _derived_class(exc_type, base: type | None = None) -> type | None:
         namespace = dict(__module__=__name__, __qualname__=name, original_type=exc_type)
         namespace.update(dict(__reduce__=_reduce_combined) if task_first else {})
         try:
-            cls = types.new_class(name, (exc_type, _CooperativeEnd, base) if task_first else (base, exc_type), {},
-                                  lambda ns: ns.update(namespace))
+            # (A base of ours cannot come first in the MRO: there _CooperativeEnd alone takes the task's args.)
+            bases = (_CooperativeEnd, base) if above else (exc_type, _CooperativeEnd, base)
+            cls = types.new_class(name, bases if task_first else (base, exc_type), {}, lambda ns: ns.update(namespace))
         except TypeError:  # what Python forbids: a final class, a metaclass or layout conflict
             return None
         cls = _DERIVED.setdefault((base, exc_type), cls)

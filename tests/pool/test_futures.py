@@ -195,6 +195,11 @@ def raise_as(kind):
         raise ConnectionResetError(errno.ECONNRESET, "peer went away")
     if kind == "group":
         raise ExceptionGroup("two failures", [ValueError(1), KeyError(2)])
+    if kind in ("runtime", "plain"):  # the bases of ParallelExecutionError itself
+        error = (RuntimeError if kind == "runtime" else Exception)(123)
+        error.code = 7
+        error.add_note("mine")
+        raise error
     error = CodedError("too many", 429)
     error.add_note("retry later")
     raise error
@@ -221,6 +226,10 @@ def test_a_tasks_exception_comes_back_as_itself(executor):
         executor.submit(raise_as, "group").result(timeout=60)
     assert [type(e) for e in info.value.exceptions] == [ValueError, KeyError]
     assert info.value.message == "two failures"
+    for kind, kind_type in (("runtime", RuntimeError), ("plain", Exception)):
+        with pytest.raises(kind_type) as info:
+            executor.submit(raise_as, kind).result(timeout=60)
+        assert info.value.args == (123,) and info.value.code == 7 and info.value.__notes__[0] == "mine"
 
 
 def test_add_done_callback(executor):

@@ -158,7 +158,8 @@ class WorkerPool(Scheduler):
         self.check_owner()
         with self._lock:
             if self._closed:
-                raise RuntimeError("this executor has been shut down; create a new one")
+                raise RuntimeError("cannot schedule new futures after shutdown (this executor has been shut "
+                                   "down; create a new one)")
             idle = [s for s in slots or self._slots if s.task is None]  # the engine sees to busy ones
             for slot in idle:
                 if slot.alive and slot.exited():
@@ -393,7 +394,8 @@ class WorkerPool(Scheduler):
     def _check_open(self) -> None:
         self.check_owner()
         if self._closed or self._closing:
-            raise RuntimeError("this executor has been shut down; create a new one")
+            raise RuntimeError("cannot schedule new futures after shutdown (this executor has been shut "
+                               "down; create a new one)")
 
     def _kill(self, slot: _Slot) -> None:
         """End a worker for good and reap it (no zombie), dropping its unread result files."""

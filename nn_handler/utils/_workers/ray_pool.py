@@ -246,7 +246,7 @@ class RayPool:
             raise RuntimeError("Ray was shut down (ray.shutdown()) while this executor was open, and its actors "
                                "with it; create a new ParallelExecutor (it starts or joins a Ray again)")
         if self._closed or self._closing:
-            raise RuntimeError("this executor has been shut down; create a new one")
+            raise RuntimeError("cannot schedule new futures after shutdown (this executor has been shut down; create a new one)")
 
     def _busy(self) -> bool:
         return bool(self._queue) or any(slot.task is not None for slot in self._slots)
