@@ -102,3 +102,11 @@ def driver_path_env() -> dict:
     import sys
 
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+
+
+def check_ranks(results: list) -> list:
+    """The ranks' results, unchanged; where one is an exception, the test fails with that rank's remote traceback."""
+    for rank, r in enumerate(results):
+        if isinstance(r, BaseException):
+            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
+    return results

@@ -12,17 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import check_ranks
 from nn_handler.testing import run_distributed
 from scripts.handler_case import make_model
 
 TIMEOUT = 150
-
-
-def _check(results):
-    for rank, r in enumerate(results):
-        if isinstance(r, BaseException):
-            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
-    return results
 
 
 def _fp16_ranks(rank, strategy):
@@ -54,7 +48,7 @@ def _fp16_ranks(rank, strategy):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_fp16_ranks_skip_the_same_overflowing_step(strategy):
-    results = _check(run_distributed(_fp16_ranks, 2, args=(strategy,), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_fp16_ranks, 2, args=(strategy,), timeout=TIMEOUT))
     first, second = results
     assert first["scales"] == second["scales"] and first["scales"][0] < 2.0 ** 16  # backed off once, on both
     torch.testing.assert_close(first["weights"], second["weights"], rtol=0, atol=0)

@@ -13,19 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import check_ranks
 from nn_handler.testing import run_distributed
 from scripts.handler_case import make_model
 
 TIMEOUT = 300
 N, PER_RANK, EPOCHS = 64, 8, 2
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def _check(results):
-    for rank, r in enumerate(results):
-        if isinstance(r, BaseException):
-            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
-    return results
 
 
 def build(batch, **kwargs):
@@ -56,7 +50,7 @@ def _compiled_ranks(rank, root, strategy):
 def test_compiled_ranks_train_as_one_plain_process_and_share_checkpoints(tmp_path, strategy, compiled):
     plain = build(2 * PER_RANK, checkpoint_dir=tmp_path / "plain")
     plain.train(EPOCHS, progress=False)
-    results = _check(run_distributed(_compiled_ranks, 2, args=(str(tmp_path), strategy), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_compiled_ranks, 2, args=(str(tmp_path), strategy), timeout=TIMEOUT))
     for r in results:
         # DDP: the whole model, compiled before DDP wraps it; FSDP: each block, compiled before fully_shard.
         assert r["compiled"] == compiled

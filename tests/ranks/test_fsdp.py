@@ -18,19 +18,12 @@ import torch
 from torch import nn
 
 from nn_handler.checkpoint import SHARDED_META, list_run_checkpoints
+from helpers import check_ranks
 from nn_handler.testing import run_distributed
 from scripts.handler_case import make_model
 
 TIMEOUT = 150
 N, N_VAL, PER_RANK, EPOCHS, ACCUM = 160, 37, 8, 4, 2  # 160 / 16 / 2 = 5 optimizer steps an epoch, 20 in all
-
-
-def _check(results):
-    """Fail with the remote traceback when a rank raised."""
-    for rank, r in enumerate(results):
-        if isinstance(r, BaseException):
-            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
-    return results
 
 
 def build(batch, strategy="fsdp", **kwargs):
@@ -114,7 +107,7 @@ def _training_and_checkpoints(rank, root):
 
 
 def test_fsdp_trains_checkpoints_reshards_and_exports(tmp_path, single):
-    results = _check(run_distributed(_training_and_checkpoints, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_training_and_checkpoints, 2, args=(str(tmp_path),), timeout=TIMEOUT))
     straight = results[0]["straight"]
     assert_close(straight, single)  # 2 sharded ranks == 1 plain process, 20 steps
     assert_close(results[0]["resumed"], straight, exact=True)  # same world size: bit-identical
@@ -161,7 +154,7 @@ def _preempted_mid_epoch(rank, root):
 
 
 def test_a_preemption_mid_epoch_writes_a_sharded_checkpoint_that_resumes_exactly(tmp_path):
-    results = _check(run_distributed(_preempted_mid_epoch, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_preempted_mid_epoch, 2, args=(str(tmp_path),), timeout=TIMEOUT))
     for r in results:
         assert r["stopped"] == ("epoch-0002-batch-000004.ckpt", 2, 4)
         assert_close(r["resumed"], r["straight"], exact=True)
@@ -222,7 +215,7 @@ def _amp_and_policy(rank):
 
 
 def test_amp_trains_in_bf16_on_cpu_with_a_wrap_policy():
-    results = _check(run_distributed(_amp_and_policy, 2, timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_amp_and_policy, 2, timeout=TIMEOUT))
     for r in results:
         assert r["dtypes"] == ["torch.bfloat16"]  # forward in bf16 ...
         assert r["param_dtype"] == "torch.float32"  # ... over fp32 sharded parameters
@@ -245,7 +238,7 @@ def test_fsdp_on_one_gpu_rank_trains_with_amp_and_exports(tmp_path):
         handler.export_model(Path(path) / "export.pt")
         return handler.history["train_loss"]
 
-    loss = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
+    loss = check_ranks(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
     assert loss[-1] < loss[0]
     make_model().load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
 
@@ -291,7 +284,7 @@ def _batchnorm(rank, root):
 def test_buffers_are_rank_0s_in_evaluation_prediction_and_checkpoints(tmp_path):
     from scripts.handler_case import make_data
 
-    results = _check(run_distributed(_batchnorm, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_batchnorm, 2, args=(str(tmp_path),), timeout=TIMEOUT))
     Xv, yv = make_data(N_VAL, seed=1)
     for strategy in ("fsdp", "ddp"):
         plain = bn_model(seed=3)
@@ -326,7 +319,7 @@ def test_buffers_are_broadcast_on_a_gpu_and_predict_equals_the_export(tmp_path):
 
     from scripts.handler_case import make_data
 
-    predicted = _check(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
+    predicted = check_ranks(run_distributed(body, 1, args=(str(tmp_path),), timeout=TIMEOUT, backend="nccl"))[0]
     plain = bn_model(seed=3)
     plain.load_state_dict(torch.load(tmp_path / "export.pt", weights_only=True))
     with torch.no_grad():
@@ -380,7 +373,7 @@ class Catch(logging.Handler):
 
 
 def test_tied_weights_stay_tied_and_train_as_under_ddp(tmp_path):
-    results = _check(run_distributed(_tied, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_tied, 2, args=(str(tmp_path),), timeout=TIMEOUT))
     fsdp, ddp = (torch.load(tmp_path / f"{s}.pt", weights_only=True) for s in ("fsdp", "ddp"))
     for r in results:
         assert r["fsdp"]["tied"] and r["ddp"]["tied"]
@@ -428,7 +421,7 @@ def _uneven_evaluation(rank):
 
 
 def test_uneven_evaluation_data_is_a_clear_error_on_every_rank():
-    results = _check(run_distributed(_uneven_evaluation, 2, timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_uneven_evaluation, 2, timeout=TIMEOUT))
     for r in results:
         assert all(e is not None for e in r["errors"]), r["errors"]
         for e in r["errors"]:
@@ -462,7 +455,7 @@ def _overwrite(rank, root):
 
 
 def test_overwrite_deletes_sharded_checkpoints_and_every_rank_gets_the_same_outcome(tmp_path):
-    results = _check(run_distributed(_overwrite, 2, args=(str(tmp_path),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_overwrite, 2, args=(str(tmp_path),), timeout=TIMEOUT))
     for r in results:
         assert r["names"] == ["epoch-0001.ckpt", "epoch-0002.ckpt"] and r["runs"] == {results[0]["mine"]}
     assert results[0]["failure"].startswith("PermissionError") and "Permission denied" in results[0]["failure"]
@@ -490,7 +483,7 @@ def _damaged_shard(rank, root):
 
 
 def test_a_sharded_checkpoint_missing_a_shard_is_skipped_by_every_rank(tmp_path):
-    results = _check(run_distributed(_damaged_shard, 2, args=(str(tmp_path / "run"),), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_damaged_shard, 2, args=(str(tmp_path / "run"),), timeout=TIMEOUT))
     for r in results:
         assert r["error"] is not None and "damaged.ckpt is incomplete: __1_0.distcp is missing" in r["error"]
         for key in ("epoch", "train_loss", "val_loss", "train_mae", "val_mae", "lr"):  # resumed from epoch 1

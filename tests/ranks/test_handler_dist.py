@@ -6,19 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import check_ranks
 from nn_handler.testing import run_distributed
 from scripts.handler_case import make_data, reference_train, resume_case, weights
 
 EPOCHS, BATCH = 3, 8
 TIMEOUT = 150
-
-
-def _check(results):
-    """Fail with the remote traceback when a rank raised."""
-    for rank, r in enumerate(results):
-        if isinstance(r, BaseException):
-            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
-    return results
 
 
 def _train_body(rank, grad_accum):
@@ -59,7 +52,7 @@ def test_two_ranks_match_a_hand_written_loop(grad_accum):
     Xv, yv = make_data(37, seed=1)
     ref_model, ref_history = reference_train(X, y, Xv, yv, epochs=EPOCHS, batch_size=BATCH, world_size=2,
                                              grad_accum=grad_accum)
-    results = _check(run_distributed(_train_body, nprocs=2, args=(grad_accum,), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_train_body, nprocs=2, args=(grad_accum,), timeout=TIMEOUT))
     r0, r1 = results
     assert r0["history"] == r1["history"]  # identical on every rank, bit for bit
     for key, values in ref_history.items():
@@ -105,7 +98,7 @@ def _predict_body(rank):
 
 
 def test_predict_returns_each_sample_once_in_input_order_with_an_odd_dataset():
-    for r in _check(run_distributed(_predict_body, nprocs=2, timeout=TIMEOUT)):
+    for r in check_ranks(run_distributed(_predict_body, nprocs=2, timeout=TIMEOUT)):
         assert r["knobs"][:2] == (True, 2**20)
         assert r["knobs"][2].startswith("sync_batchnorm=True needs CUDA devices")
         assert r["tensor"].shape == (7, 2) and torch.allclose(r["tensor"], r["expected"])
@@ -137,7 +130,7 @@ def _stop_body(rank):
 
 
 def test_every_rank_stops_at_the_same_epoch():
-    results = _check(run_distributed(_stop_body, nprocs=2, timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_stop_body, nprocs=2, timeout=TIMEOUT))
     assert results == [(2, 4, 4), (2, 4, 4)]
 
 
@@ -168,7 +161,7 @@ def _nonfinite_body(rank, check_every):
 
 @pytest.mark.parametrize("check_every", [None, 2])
 def test_non_finite_loss_on_one_rank_raises_on_every_rank(check_every):
-    results = _check(run_distributed(_nonfinite_body, nprocs=2, args=(check_every,), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_nonfinite_body, nprocs=2, args=(check_every,), timeout=TIMEOUT))
     for epoch, step, ranks, message, done in results:
         assert (epoch, step, ranks, done) == (2, 1, (1,), 1)
         assert "loss is nan at epoch 2, step 1 on rank 1" in message
@@ -191,7 +184,7 @@ def _save_fails_body(rank, path):
 def test_a_failed_write_on_rank_zero_reaches_every_rank(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    r0, r1 = _check(run_distributed(_save_fails_body, nprocs=2, args=(str(blocker / "a.ckpt"),), timeout=TIMEOUT))
+    r0, r1 = check_ranks(run_distributed(_save_fails_body, nprocs=2, args=(str(blocker / "a.ckpt"),), timeout=TIMEOUT))
     assert r0[0] == "OSError"
     assert r1[:2] == ("CheckpointError",
                       f"rank 0 could not write the checkpoint {blocker / 'a.ckpt'}; see rank 0's error")
@@ -209,9 +202,9 @@ def _resume_body(rank, phase, path):
 @pytest.mark.slow
 def test_two_rank_resume_in_new_processes_is_bit_identical(tmp_path):
     ckpt = str(tmp_path / "mid.ckpt")
-    straight = _check(run_distributed(_resume_body, nprocs=2, args=("straight", ckpt), timeout=TIMEOUT))
-    first = _check(run_distributed(_resume_body, nprocs=2, args=("first", ckpt), timeout=TIMEOUT))
-    second = _check(run_distributed(_resume_body, nprocs=2, args=("second", ckpt), timeout=TIMEOUT))
+    straight = check_ranks(run_distributed(_resume_body, nprocs=2, args=("straight", ckpt), timeout=TIMEOUT))
+    first = check_ranks(run_distributed(_resume_body, nprocs=2, args=("first", ckpt), timeout=TIMEOUT))
+    second = check_ranks(run_distributed(_resume_body, nprocs=2, args=("second", ckpt), timeout=TIMEOUT))
     assert straight[0]["hash"] == straight[1]["hash"]
     for rank in (0, 1):
         assert first[rank]["epoch"] == 2 and second[rank]["epoch"] == 4
@@ -238,5 +231,5 @@ def _stall_setting_body(rank):
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_nnhandler_stall_timeout_keyword_wins_on_an_existing_group(monkeypatch):
     monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", "40")
-    for before, retuned, kept, after in _check(run_distributed(_stall_setting_body, nprocs=2, timeout=TIMEOUT)):
+    for before, retuned, kept, after in check_ranks(run_distributed(_stall_setting_body, nprocs=2, timeout=TIMEOUT)):
         assert (before, retuned, kept, after) == (40.0, 7, 7, None)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import check_ranks
 from nn_handler.testing import run_distributed
 
 TIMEOUT = 150
-
-
-def _check(results):
-    """Fail with the remote traceback when a rank raised."""
-    for rank, r in enumerate(results):
-        if isinstance(r, BaseException):
-            pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
-    return results
 
 
 def _uneven_body(rank, counts):
@@ -42,7 +35,7 @@ def _uneven_body(rank, counts):
 
 @pytest.mark.parametrize("counts, short, long", [([5, 3], 1, 0), ([13, 21], 0, 1)])  # 21: past two windows
 def test_uneven_iterable_shards_raise_a_clear_error_on_every_rank(counts, short, long):
-    results = _check(run_distributed(_uneven_body, nprocs=2, args=(counts,), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_uneven_body, nprocs=2, args=(counts,), timeout=TIMEOUT))
     n = min(counts)
     for kind, message, steps in results:
         assert kind == "error", message
@@ -52,7 +45,7 @@ def test_uneven_iterable_shards_raise_a_clear_error_on_every_rank(counts, short,
 
 
 def test_even_iterable_shards_train():
-    results = _check(run_distributed(_uneven_body, nprocs=2, args=([8, 8],), timeout=TIMEOUT))  # a window exactly
+    results = check_ranks(run_distributed(_uneven_body, nprocs=2, args=([8, 8],), timeout=TIMEOUT))  # a window exactly
     assert [r[0] for r in results] == ["trained", "trained"]
     assert [r[2] for r in results] == [16, 16]
 
@@ -80,7 +73,7 @@ def _sized_uneven_body(rank):
 
 
 def test_uneven_sized_shards_raise_before_the_epoch_on_every_rank():
-    for message, steps in _check(run_distributed(_sized_uneven_body, nprocs=2, timeout=TIMEOUT)):
+    for message, steps in check_ranks(run_distributed(_sized_uneven_body, nprocs=2, timeout=TIMEOUT)):
         assert steps == 0
         assert "different numbers of batches in epoch 1 (rank 0: 5, rank 1: 3)" in message
 
@@ -121,7 +114,7 @@ def _max_steps_body(rank, max_steps, ckpt_dir, max_time):
 
 
 def test_max_steps_stops_every_rank_at_exactly_that_step():
-    results = _check(run_distributed(_max_steps_body, nprocs=2, args=(8, None, None), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_max_steps_body, nprocs=2, args=(8, None, None), timeout=TIMEOUT))
     for r in results:
         assert r["step"] == 8 and r["done"] == 1
         assert r["seen"] == [(1, 1, 6), (2, 1, 8)]  # the partial epoch 2 reaches on_epoch_end
@@ -130,18 +123,18 @@ def test_max_steps_stops_every_rank_at_exactly_that_step():
 
 
 def test_max_time_stops_every_rank_at_the_same_step():
-    results = _check(run_distributed(_max_steps_body, nprocs=2, args=(None, None, (0.5, 1000.0)), timeout=TIMEOUT))
+    results = check_ranks(run_distributed(_max_steps_body, nprocs=2, args=(None, None, (0.5, 1000.0)), timeout=TIMEOUT))
     assert results[0]["step"] == results[1]["step"] > 0
     assert results[0]["weights"] == results[1]["weights"]
 
 
 @pytest.mark.slow
 def test_a_run_stopped_at_max_steps_resumes_mid_epoch_and_matches_the_uninterrupted_run(tmp_path):
-    straight = _check(run_distributed(_max_steps_body, nprocs=2, args=(None, None, None), timeout=TIMEOUT))
+    straight = check_ranks(run_distributed(_max_steps_body, nprocs=2, args=(None, None, None), timeout=TIMEOUT))
     ckpt = str(tmp_path / "ckpt")
-    first = _check(run_distributed(_max_steps_body, nprocs=2, args=(9, ckpt, None), timeout=TIMEOUT))
+    first = check_ranks(run_distributed(_max_steps_body, nprocs=2, args=(9, ckpt, None), timeout=TIMEOUT))
     assert [r["step"] for r in first] == [9, 9]
-    second = _check(run_distributed(_max_steps_body, nprocs=2, args=(None, ckpt, None), timeout=TIMEOUT))
+    second = check_ranks(run_distributed(_max_steps_body, nprocs=2, args=(None, ckpt, None), timeout=TIMEOUT))
     for rank in (0, 1):
         assert second[rank]["step"] == straight[rank]["step"] == 24
         assert second[rank]["weights"] == straight[rank]["weights"]

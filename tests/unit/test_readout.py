@@ -91,7 +91,7 @@ def test_non_finite_loss_on_a_device_names_its_batch_at_epoch_end(device_reads):
     y[8 * 2] = float("nan")  # batch 2 (unshuffled); every later loss is NaN too
     handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cpu")
     handler.set_train_loader((X, y), batch_size=8, shuffle=False)
-    with pytest.raises(NonFiniteLossError, match=r"loss is nan at epoch 1, step 2;") as info:
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at epoch 1, step 2;"):
         handler.train(1, progress=False)
     assert handler.global_step == 12  # found at epoch end, not before the bad step
 
