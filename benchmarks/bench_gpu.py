@@ -144,37 +144,31 @@ def fabric(c: dict, precision: str, device: torch.device):
     model = c["model"]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = f.setup(model, opt)
-    loader, loss_fn = f.setup_dataloaders(_loader(c, device)), c["loss"]
-
-    def epoch():
-        total = torch.zeros((), device=device)
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            f.backward(loss)
-            opt.step()
-            total += loss.detach()
-        return total
-
-    return epoch
+    return _wrapped_epoch(model, opt, f.setup_dataloaders(_loader(c, device)), c["loss"], f.backward, device)
 
 
 def accelerate(c: dict, precision: str, device: torch.device):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # one per process otherwise: the next precision is refused
     acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
     torch.manual_seed(0)
     model = c["model"]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt, loader = acc.prepare(model, opt, _loader(c, device))
-    loss_fn = c["loss"]
+    return _wrapped_epoch(model, opt, loader, c["loss"], acc.backward, device)
+
+
+def _wrapped_epoch(model, opt, loader, loss_fn, backward, device: torch.device):
+    """An epoch of a library that wraps model, optimizer and loader itself (autocast, scaler, copies inside)."""
 
     def epoch():
         total = torch.zeros((), device=device)
         for x, y in loader:
             loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
-            acc.backward(loss)
+            backward(loss)
             opt.step()
             total += loss.detach()
         return total
