@@ -56,8 +56,10 @@ def main():
         print(f"map: {len(outputs)} batches through one model per worker, first output {outputs[0].flatten().tolist()}")
         try:
             list(executor.map(fails_on_odd, range(4)))
-        except ParallelExecutionError as exc:
-            print(f"a failing task raises here, with the worker's traceback: {str(exc).splitlines()[0]}")
+        except ValueError as exc:  # the task's own exception, also a ParallelExecutionError
+            where = exc.__notes__[-1].splitlines()[0]  # the note names the worker; exc.__cause__ is its traceback
+            print(f"a failing task raises here as itself (a ParallelExecutionError too: "
+                  f"{isinstance(exc, ParallelExecutionError)}): {where}")
         print(f"the pool is still usable: {list(executor.map(fails_on_odd, [0, 2]))}")
     print(f"done in {time.perf_counter() - start:.2f} s")
 
