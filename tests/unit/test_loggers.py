@@ -89,6 +89,13 @@ def test_the_event_files_hold_the_history_the_step_losses_and_the_learning_rates
     assert not any(tag.startswith("part_epoch/") for tag in scalars)
 
 
+def assert_curves_of_a_straight_run(got, handler, straight, want):
+    """The step losses and the epoch curves of a continued or resumed run are those of the straight run."""
+    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
+    assert_epoch_curves_equal_history(got, handler.history, [12, 24, 36])
+    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+
+
 def _straight(tmp_path):
     losses = BatchLosses()
     handler = make([TensorBoardLogger(tmp_path / "straight", log_every_n_steps=1), losses])
@@ -106,9 +113,7 @@ def test_a_run_stopped_at_max_steps_and_continued_draws_the_curves_of_a_straight
     handler.train(3, progress=False)
     got = read_scalars(tmp_path / "tb")
 
-    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
-    assert_epoch_curves_equal_history(got, handler.history, [12, 24, 36])
-    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    assert_curves_of_a_straight_run(got, handler, straight, want)
     # The part-epoch is logged once, as a part, at the step where it stopped: no second epoch-2 point.
     assert got["part_epoch/epoch"] == [(17, 2.0)]
     assert got["part_epoch/train_loss"] == [(17, pytest.approx(part_row["train_loss"], rel=1e-6))]
@@ -128,9 +133,7 @@ def test_a_resumed_run_continues_the_curves_and_drops_what_a_crashed_run_logged_
     resumed.train(3, progress=False)
     got = read_scalars(tmp_path / "tb")
 
-    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
-    assert_epoch_curves_equal_history(got, resumed.history, [12, 24, 36])
-    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    assert_curves_of_a_straight_run(got, resumed, straight, want)
     assert [s for s, _ in got["part_epoch/epoch"]] == [17]
 
 
@@ -194,7 +197,5 @@ def test_a_run_resumed_with_resume_auto_from_a_mid_epoch_checkpoint_continues_th
     resumed.train(3, progress=False)
     got = read_scalars(tmp_path / "tb")
 
-    assert got["step/train_loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want["step/train_loss"]]
-    assert_epoch_curves_equal_history(got, resumed.history, [12, 24, 36])
-    assert_epoch_curves_equal_history(got, straight.history, [12, 24, 36], LEARNING)
+    assert_curves_of_a_straight_run(got, resumed, straight, want)
     assert [s for s, _ in got["part_epoch/epoch"]] == [17]

@@ -464,11 +464,8 @@ class WorkerPool(Scheduler):
     def _record_error(self, slot: _Slot, body, failures: list, exceptions: dict) -> None:
         record, blob = body
         failures.append(record)
-        if blob is not None:
-            try:
-                exceptions[slot.index] = _transport.loads(blob)
-            except (Exception, SystemExit):
-                pass  # e.g. a class only the worker can import: the record (type name, message, traceback) stays
+        if (error := _transport.load_error(blob)) is not None:
+            exceptions[slot.index] = error
 
     def terminate(self) -> None:
         """Kill every worker at once (Ctrl-C, caller error) and close the pool."""

@@ -80,8 +80,5 @@ def load_error(body, failures: list, exceptions: dict) -> None:
     """An actor's ``("err", body)``: its record, and the exception itself where it can be loaded here."""
     failure, blob = body
     failures.append(failure)
-    if blob is not None:
-        try:
-            exceptions[failure.rank] = _transport.loads(blob)
-        except (Exception, SystemExit):
-            pass  # a class only the actor can import: the record (type name, message, traceback) stays
+    if (error := _transport.load_error(blob)) is not None:
+        exceptions[failure.rank] = error

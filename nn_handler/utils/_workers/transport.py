@@ -374,6 +374,14 @@ def loads(data: bytes):
     return pickle.loads(data)
 
 
+def load_error(blob: bytes | None) -> BaseException | None:
+    """A worker's pickled exception, or ``None`` where it cannot be loaded here: the record of it stays."""
+    try:
+        return None if blob is None else loads(blob)
+    except (Exception, SystemExit):  # e.g. a class only the worker can import
+        return None
+
+
 # ----------------------------------------------------------------------------- functions, sent once per worker
 # A worker keeps this many functions (their bytes, large tensors left out),
 # the least recently used going first. Both bounds hold on both sides: the
