@@ -417,7 +417,7 @@ def _exit_from_a_thread_once_idle(device):
     main = threading.main_thread().ident
 
     def exit_when_idle():
-        while sys._current_frames()[main].f_code.co_name not in ("_recv", "_recv_bytes", "recv_bytes"):
+        while sys._current_frames()[main].f_code.co_name != "receive":  # its Inbox, waiting in os.read
             pass
         os._exit(0)
 
@@ -618,7 +618,7 @@ def _freeze_while_replying(device):
     main = threading.main_thread().ident
 
     def freeze():
-        while sys._current_frames()[main].f_code.co_name != "_send":
+        while sys._current_frames()[main].f_code.co_name != "write_message":
             pass
         os.kill(os.getpid(), signal.SIGSTOP)
 

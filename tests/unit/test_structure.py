@@ -60,6 +60,7 @@ WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "
                 "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport",
                 "nn_handler.utils._workers.lending",  # the transport's result files
                 "nn_handler.utils._workers.pickler",  # cloudpickle, code keeping its file
+                "nn_handler.utils._workers.pipes",  # its end of the pipe: framed messages
                 "nn_handler.utils._workers.function_memo"}  # its copies of functions that cannot change
 
 

@@ -3,8 +3,10 @@
 A worker that is frozen, dead, or killed half-way through a large message must
 not hold the caller past its timeout, so every read and write here polls the
 pipe together with the worker's sentinel and the deadline. The framing is
-``multiprocessing.Connection``'s, so the worker side uses the plain
-``Connection.recv_bytes`` / ``send_bytes``.
+``multiprocessing.Connection``'s. The worker's end blocks (it has nothing
+else to do): it reads through an :class:`Inbox` too, and writes with
+:func:`write_message`, a system call each way for a small message where
+``Connection.recv_bytes`` makes two and both wrap them in Python buffers.
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ class Inbox:
 
     READ_SIZE = 1 << 16
 
-    def __init__(self, conn, process):
-        self._fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
+    def __init__(self, conn, process=None):
+        # The caller's end is non-blocking (the pool sets it so once per
+        # worker) and ``process`` is its worker; the worker's own end blocks
+        # and has no process to watch (``None``): a read waits for the message.
+        self._fd = conn.fileno()
         self._process = process
         self._buffer = bytearray()
         self._start = 0  # where the next message begins in the buffer
@@ -71,10 +76,24 @@ class Inbox:
 
     def has_message(self) -> bool:
         """Whether a whole message is in the buffer already."""
-        return self._frame(take=False) is not None
+        return bool(self._buffer) and self._frame(take=False) is not None
 
     def receive(self, deadline: float | None = None):
         """The next message; ``None`` when the worker is gone (or its pipe closed), ``LATE`` past ``deadline``."""
+        if not self._buffer:  # the common case: one read brings exactly one small message
+            try:
+                chunk = os.read(self._fd, self.READ_SIZE)
+            except BlockingIOError:
+                pass
+            except OSError:
+                return None
+            else:
+                if not chunk:
+                    return None  # EOF: its end is closed
+                self.drained = len(chunk) < self.READ_SIZE
+                if len(chunk) >= 4 and int.from_bytes(chunk[:4], "big", signed=True) == len(chunk) - 4:
+                    return pickle.loads(memoryview(chunk)[4:])
+                self._buffer += chunk
         while True:
             body = self._frame()
             if body is not None:
@@ -152,6 +171,22 @@ def _wait_readable(fd: int, deadline: float | None, process):
     return True
 
 
+def _framed(data: bytes) -> tuple:
+    """``data`` with ``Connection``'s header, as the parts to write: one for a small message (one system call),
+    two for a large one (not copied to put the header in front)."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
+    return (header + data,) if n < 65536 else (header, data)
+
+
+def write_message(fd: int, data: bytes) -> None:
+    """Write one message on the blocking ``fd`` (the worker's end); ``OSError`` when the caller's end is closed."""
+    for part in _framed(data):
+        view = memoryview(part)
+        while view:
+            view = view[os.write(fd, view):]
+
+
 def send(conn, process, data: bytes, deadline: float | None) -> bool:
     """Write one message in ``Connection.send_bytes``' framing; True when the worker read none of it.
 
@@ -163,10 +198,7 @@ def send(conn, process, data: bytes, deadline: float | None) -> bool:
     deadline. A worker that stops reading (dead, or closed its end) simply
     ends the write; the caller's wait on its sentinel reports it.
     """
-    n = len(data)
-    header = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
-    # A small message goes in one write (one syscall); a large one is not copied to prepend its header.
-    parts = (header + data,) if n < 65536 else (header, data)
+    parts = _framed(data)
     fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
     poller = None
     waited = read_some = False  # the worker made room: it was reading this message

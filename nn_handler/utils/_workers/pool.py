@@ -54,7 +54,8 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
 )
 from . import lending, pipes
 from . import transport as _transport
-from .scheduler import _STOP_GRACE, Scheduler, _Slot, _Task
+from .calls import _Slot, _Task
+from .scheduler import _STOP_GRACE, Scheduler
 from .settling import SettlingLock
 from .worker import guard_against_bootstrap, main_module_hidden, worker_main
 
@@ -143,6 +144,7 @@ class WorkerPool(Scheduler):
         # thread may call run() and drive its call itself.
         self._driver = threading.RLock()
         self._poller, self._watched, self._polled = None, {}, None  # the driver's: what it polls, as of which generation
+        self._polling = False  # the driver waits in poll(): a Ctrl-C there cuts nothing in half
         self._replies: list = []  # the driver's: results read, to unpickle once the lock is let go
         self._loading: list = []  # the driver's: results being unpickled
         self._unloaded_of_killed: dict[str, int] = {}  # a killed worker's file prefix -> its replies still to load

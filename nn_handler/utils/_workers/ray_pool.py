@@ -48,7 +48,7 @@ from . import ray_failures as _failures
 from . import transport as _transport
 from . import worker as _worker
 from .ray_actor import DeviceActor, Session, import_ray, place
-from .scheduler import _Call, _Task
+from .calls import _Call, _Task
 
 __all__ = ["RayPool"]
 

@@ -6,8 +6,8 @@ in any thread queue tasks (each with its caller's future) and hand them to
 free workers at once; the engine waits on every worker's pipe and sentinel
 (and on a wake-up pipe), resolves futures as replies arrive, gives the freed
 worker the next task that fits it, and enforces deadlines. One thread at a
-time does the engine's work: the caller waiting on ``run()``, else the
-pool's engine thread. Everything that touches the slots or the queue holds
+time does the engine's work: the caller waiting on ``run()`` or on a task's
+``result()``, else the pool's engine thread. Everything that touches the slots or the queue holds
 the pool lock (futures settled under it get their results once it is let go);
 the engine lets go of it while it waits.
 """
@@ -15,125 +15,21 @@ the engine lets go of it while it waits.
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import os
 import pickle
 import select
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-from ...errors import (
-    ExecutorTimeoutError,
-    ParallelExecutionError,
-    PayloadPicklingError,
-    RankFailure,
-    WorkerDiedError,
-)
+from ...errors import PayloadPicklingError, RankFailure
 from . import lending, pipes
 from . import transport as _transport
+from .calls import _POLL_IN, CallFuture, _Call, _Slot, _Task, _readable
 from .worker import describe
 
-_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 # How long a stopping worker gets to leave on its own before it is killed.
 _STOP_GRACE = 2.0
-
-
-def _readable(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, _POLL_IN)
-    return bool(poller.poll(0))
-
-
-@dataclass
-class _Slot:
-    index: int
-    device: str
-    process: mp.process.BaseProcess | None = None
-    conn: object = None
-    incarnation: int = 0
-    files: str = ""  # the prefix of its result files (see lending)
-    unloaded: int = 0  # its replies read and not yet loaded: their files must stay until they are
-    has_fn_for: int | None = None  # function id this worker already holds
-    # The twin of the worker's cache of function bodies: what need not be sent again.
-    functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
-    task: "_Task | None" = None  # the task it runs
-    unread: bool = False  # running, and its message went in one write: the worker may have read none of it
-    # How many messages the worker has read in full: a counter in shared memory
-    # it bumps without a word, so that a task costs no acknowledgement (a
-    # wake-up of the caller) and yet its death tells whether it had the task.
-    reads: object = None
-    sent: int = 0  # messages written to this process
-    inbox: "pipes.Inbox | None" = None  # what it sent, read as it comes
-    task_message: int = 0  # the number of its task's message
-    deadline: float | None = None
-    started: object = None  # when it began its task's function (shared memory): the timeout counts from then,
-    handed: float = 0.0  # not from when the task was handed over, before its module's first import
-    served: int = 0  # tasks since it started (max_tasks_per_worker)
-    probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None
-
-    @property
-    def acked(self) -> bool:
-        """Running, and the worker has read its task's whole message (so it may have run some of it)."""
-        return self.reads is not None and self.reads.value >= self.task_message
-
-    def exited(self) -> bool:
-        """Whether its process has ended: its sentinel is readable. (``Process.is_alive()`` asks the same
-        through a selector, at ten times the cost, on every call.)"""
-        return _readable(self.process.sentinel)
-
-
-class _Call:
-    """What one caller waits for: a broadcast (one task per worker, ``run``) or a single task (``submit``,
-    one ``map`` chunk). Its future gets the result or the error."""
-
-    def __init__(self, fn_id: int, kind: str, fn_blob: _transport.PackedFunction, name: str, timeout: float | None,
-                 future: Future, broadcast: bool = False, fail_fast: bool = False, files=()):
-        self.fn_id, self.kind, self.fn_blob, self.name = fn_id, kind, fn_blob, name
-        self.timeout, self.future, self.broadcast, self.fail_fast = timeout, future, broadcast, fail_fast
-        self.files = list(files)  # shared-memory files of its arguments, removed when it ends
-        self.pending = 0
-        self.results: dict = {}
-        self.failures: list[RankFailure] = []
-        self.exceptions: dict = {}
-        self.died = self.timed_out = self.started = self.done = False
-        # A call whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
-        self.caller_daemon = threading.current_thread().daemon
-
-    # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
-    def add_result(self, key: int, value) -> None:
-        self.results[key] = value
-        self.pending -= 1
-
-    def add_failure(self, record: RankFailure, exc: BaseException | None = None, died: bool = False) -> None:
-        self.failures.append(record)
-        if exc is not None:
-            self.exceptions[record.rank] = exc
-        self.died = self.died or died
-        self.pending -= 1
-
-    def error(self) -> ParallelExecutionError:
-        """The exception for a call with failures: a timeout, a death, or the function's own error."""
-        cls = ExecutorTimeoutError if self.timed_out else WorkerDiedError if self.died else ParallelExecutionError
-        return cls.create(self.failures, self.exceptions, function=self.name)
-
-    def value(self, workers: int):
-        """A broadcast's results in worker order, or the single task's result."""
-        return [self.results[i] for i in range(workers)] if self.broadcast else self.results[0]
-
-
-@dataclass
-class _Task:
-    call: _Call
-    key: int  # a broadcast: the worker index; else 0
-    payload: object  # bytes, or a thunk that writes a map chunk's tensors to shared memory at dispatch
-    target: int | None  # the worker that must run it (a broadcast), or None for any
-    resent: bool = False
 
 
 class Scheduler:
@@ -176,7 +72,7 @@ class Scheduler:
         calls, tasks = [], []
         try:
             for obj in objs:
-                call = _Call(fn_id, kind, fn_blob, name, timeout, Future())
+                call = _Call(fn_id, kind, fn_blob, name, timeout, CallFuture(self))
                 calls.append(call)
                 tasks.append(_Task(call, 0, self._payload(call, kind, obj), None))
             self._enqueue(calls, tasks)
@@ -218,7 +114,7 @@ class Scheduler:
         """Queue the tasks and hand them to free workers now; ``driven``: the caller then waits by driving
         (:meth:`_drive_until`), else the engine thread is called in to wait for them."""
         try:
-            if not all(slot.alive for slot in self._slots):
+            if any(slot.process is None for slot in self._slots):
                 self.start()  # starts the workers (errors raise here); one that died since is replaced in _begin
             with self._lock:
                 self._check_open()
@@ -259,7 +155,12 @@ class Scheduler:
                 pass  # full (it will wake anyway) or no engine yet
 
     def _busy(self) -> bool:  # (a memory probe on its way back: read now, to retire a worker above the limit)
-        return bool(self._queue) or any(s.task is not None or s.probing for s in self._slots)
+        if self._queue:
+            return True
+        for slot in self._slots:
+            if slot.task is not None or slot.probing:
+                return True
+        return False
 
     def _cancel_queued(self) -> None:
         while self._queue:
@@ -282,27 +183,35 @@ class Scheduler:
     # ----------------------------------------------------------------- the engine
     # The engine's work (poll the workers, settle replies, hand out tasks,
     # enforce deadlines) is done by one thread at a time, the one holding the
-    # driver lock: a caller of run() that waits for its own result does it
-    # itself, which spares two thread switches per call; the engine thread
-    # does it whenever work is outstanding and no caller is driving (submit,
-    # map, callbacks, asyncio). Whoever stops driving with work outstanding
-    # calls the engine thread in, after letting go of the driver lock, so
-    # that a task queued meanwhile is never left without a driver.
+    # driver lock: a caller of run(), or of a task future's result(), that
+    # waits for its own result does it itself, which spares two thread
+    # switches per call; the engine thread does it whenever work is
+    # outstanding and no caller is driving (callbacks, asyncio, a result()
+    # with a timeout). The engine thread never waits for the driver lock:
+    # whoever stops driving with work outstanding (or during a shutdown)
+    # calls it in, after letting go of the driver lock, so that a task
+    # queued meanwhile is never left without a driver.
     def _engine_main(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while not (self._closed or self._closing or self._busy()):
+                    while True:
+                        if self._closed or (self._closing and not self._busy()):
+                            return
+                        if self._busy() and self._driver.acquire(blocking=False):
+                            break
+                        # Nothing to do, or a caller drives: it calls us in
+                        # when it stops with work left (see _drive_until).
                         self._engine_wanted.wait()
-                    if self._closed or (self._closing and not self._busy()):
-                        return
-                with self._driver:  # waits while a caller drives
+                try:
                     while True:
                         with self._lock:
                             if self._closed or not self._busy():
                                 break  # (the caller that drove may have done it all): never poll an idle pool
                         if not self._drive_once():
                             break
+                finally:
+                    self._driver.release()
         except BaseException as exc:  # a bug or a failed restart: fail every caller rather than hang them
             self._fail_everything(exc)
             if not self._closed:
@@ -312,6 +221,21 @@ class Scheduler:
                 self._idle.notify_all()
                 if self._closed:
                     self._close_wake_pipe()
+
+    def drive_for(self, future: Future) -> None:
+        """Do the engine's work in this thread until ``future`` is done (its ``result()`` is waited on), unless
+        another thread is doing it."""
+        if os.getpid() != self._owner or self._closed:
+            return  # a forked child has none of the workers; a closed pool has nothing to drive
+        try:
+            self._drive_until(future)
+        except KeyboardInterrupt:
+            # Ctrl-C (main thread) while waiting: harmless in the poll, where
+            # nothing was read yet; elsewhere it may have cut a reply or a
+            # message in half, and no worker of this pool can be trusted.
+            if not self._polling:
+                self.terminate()
+            raise
 
     def _drive_until(self, future: Future) -> None:
         """Do the engine's work in this thread until ``future`` is done, unless another thread is doing it."""
@@ -326,9 +250,12 @@ class Scheduler:
             raise
         finally:
             self._driver.release()
-            with self._lock:
-                if self._busy():
-                    self._engine_wanted.notify()  # other callers' tasks: the engine thread takes over
+            # Read without the lock first (the common case: nothing left). A
+            # task queued after this look is queued after the release, so its
+            # own caller takes the driver lock, or calls the engine thread in.
+            if self._busy() or self._closing:
+                with self._lock:
+                    self._engine_wanted.notify()  # other callers' tasks: the engine thread takes over (or ends)
 
     def _drive_once(self) -> bool:
         """One round of the engine (the driver lock is held): hand out tasks, wait for the workers or the
@@ -336,21 +263,25 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 return False
-            self._dispatch()
+            if self._queue:
+                self._dispatch()
             if self._polled != self._generation:  # a worker started or ended: watch the current ones
                 self._polled, self._watched = self._generation, self._watch_list()
                 self._poller = select.poll()
                 for fd in self._watched:
                     self._poller.register(fd, _POLL_IN)
             timeout = self._next_deadline()
+        self._polling = True  # (see drive_for)
         ready = self._poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+        self._polling = False
         with self._lock:
             if self._closed:
                 return False
-            self._handle({fd for fd, _ in ready}, self._watched)
+            self._handle(ready, self._watched)
             self._check_deadlines()
+            if self._queue or self._closing:
+                self._dispatch()  # the workers freed take their next tasks before anything is unpickled
             if self._replies:
-                self._dispatch()
                 self._loading, self._replies = self._replies, []
         if self._loading:
             # Unpickled after the workers have their next tasks, and without the lock.
@@ -391,8 +322,8 @@ class Scheduler:
                 if task is None:
                     break
                 self._begin(slot, task)
-        if not self._busy():
-            self._idle.notify_all()
+        if self._closing and not self._busy():
+            self._idle.notify_all()  # shutdown() waits for it
 
     def _take(self, slot: _Slot) -> _Task | None:
         """Pop the first queued task that ``slot`` may run, skipping those of calls cancelled or failed."""
@@ -417,8 +348,10 @@ class Scheduler:
     def _begin(self, slot: _Slot, task: _Task) -> None:
         call = task.call
         try:
-            if not slot.alive or slot.exited():
-                self._kill(slot)  # ended since it was last seen: a fresh one takes the task
+            # One that died since it was last seen is not looked for here (a
+            # system call per task): its death before it read the task gives
+            # the task to a replacement (see _handle_slot).
+            if slot.process is None:
                 self.start([slot])
             payload = task.payload() if callable(task.payload) else task.payload
         except BaseException as exc:
@@ -441,8 +374,8 @@ class Scheduler:
             slot.sent += 1
             pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
 
-    def _handle(self, ready: set, watched: dict) -> None:
-        for fd in ready:
+    def _handle(self, ready: list, watched: dict) -> None:
+        for fd, _ in ready:
             if fd == self._wake_r:
                 try:
                     while os.read(fd, 4096):
@@ -487,7 +420,9 @@ class Scheduler:
             return
         slot.task = None
         slot.served += 1
-        if status == "ok":
+        if status == "val":  # a plain result, loaded with the reply: nothing of the user's to run outside the lock
+            self._task_done(task, body)
+        elif status == "ok":
             # Unpickled by the engine after it has given the worker its next
             # task, and without the lock: callers queue work meanwhile.
             self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))

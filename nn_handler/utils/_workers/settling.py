@@ -39,12 +39,14 @@ class SettlingLock(_RLock):
         self._due.append((future, result, error, cancel))
 
     def release(self) -> None:
-        super().release()
+        _RLock.release(self)
         if self._due and not self._is_owned():
             self._settle()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, *exc) -> None:  # release(), one call less: the pool takes this lock several times per call
+        _RLock.release(self)
+        if self._due and not self._is_owned():
+            self._settle()
 
     def _release_save(self):  # Condition.wait lets go of it all: settle then too
         state = super()._release_save()

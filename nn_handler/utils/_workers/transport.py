@@ -133,17 +133,18 @@ _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_MAX_ITEMS = 8
 
 
-def _plain(obj, depth: int = 0) -> bool:
-    """Whether ``obj`` holds only numbers, strings and bytes, in a few small tuples, lists or dicts."""
+def plain(obj, depth: int = 0) -> bool:
+    """Whether ``obj`` holds only numbers, strings and bytes, in a few small tuples, lists or dicts (pickled
+    alike by the C pickler, and unpickled without running anything but pickle's own code)."""
     kind = type(obj)
     if kind in _PLAIN_ATOMS:
         return True
     if depth >= 2:
         return False
     if kind is tuple or kind is list:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(_plain(v, depth + 1) for v in obj)
+        return len(obj) <= _PLAIN_MAX_ITEMS and all(plain(v, depth + 1) for v in obj)
     if kind is dict:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(type(k) is str and _plain(v, depth + 1) for k, v in obj.items())
+        return len(obj) <= _PLAIN_MAX_ITEMS and all(type(k) is str and plain(v, depth + 1) for k, v in obj.items())
     return False
 
 
@@ -305,7 +306,7 @@ class Encoder:
 
     def dumps(self, obj) -> tuple[bytes, list[str]]:
         """Return the bytes and the shared-memory files created for them."""
-        if _plain(obj):
+        if plain(obj):
             return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []  # nothing for cloudpickle to do: the C pickler
         data, pickler = self._with_room(lambda spill: self._dump(obj, spill))
         if self.lent is not None:

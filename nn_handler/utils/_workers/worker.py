@@ -9,8 +9,8 @@ worker holds it from an earlier call, and this call's files for its large
 tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 ``(given_back, dropped)``, what the caller says of earlier results' files
 (see :mod:`.lending`). Replies are
-``(status, call_id, body)`` with ``status`` in ``got`` (the task arrived,
-sent before any of it runs), ``ok``, ``err``, ``exit`` (an error, and the
+``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
+result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
@@ -28,6 +28,7 @@ import time
 import traceback
 
 from ...errors import RankFailure
+from . import pipes
 from . import transport as _transport
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
@@ -190,23 +191,24 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     functions = _transport.FunctionCache()  # bodies of functions sent before; the pool keeps a twin
     cached_call, cached_fn = None, None
     mapped: list = []  # weak references to the tensors cached_fn mapped from its call's files
+    inbox, fd = pipes.Inbox(conn), conn.fileno()
     while True:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):
+        message = inbox.receive()  # the envelope: plain tuples and bytes, no code of the user's runs
+        if message is None:
             return  # the pool closed our pipe: shut down
-        # Counted before anything of it runs (unpickling may run user code): a
-        # worker that dies with the count short of a task never started it, so
-        # the pool can give it to a replacement without running anything twice.
+        # Counted before anything of it runs (unpickling the payload may run
+        # user code): a worker that dies with the count short of a task never
+        # started it, so the pool can give it to a replacement without running
+        # anything twice.
         if reads is not None:
             reads.value += 1
-        call_id, kind, fn_blob, payload_blob, (given_back, dropped) = pickle.loads(message)
+        call_id, kind, fn_blob, payload_blob, (given_back, dropped) = message
         if (given_back or dropped) and encoder.lent is not None:
             encoder.lent.update(given_back, dropped)
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
-            conn.send_bytes(pickle.dumps(("mem", call_id, memory_in_use(device))))
+            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device))))
             continue
         try:
             if fn_blob is not None:
@@ -225,23 +227,31 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 result = call(cached_fn, args, kwargs)
             else:
                 result = [call(cached_fn, (item,), {}) for item in payload]
-            try:
-                body, _ = encoder.dumps(result)
-            except Exception as exc:
-                raise TypeError(
-                    f"the result of {getattr(cached_fn[0], '__name__', 'the function')} could not be pickled "
-                    f"({describe(exc)}); return tensors, numbers, lists or dicts of them"
-                ) from exc
-            reply = ("ok", call_id, body)
+            if _transport.plain(result):
+                # A number, a short tuple of them: inside the reply itself, which
+                # the pool loads at once (nothing of the user's runs in that load).
+                reply = ("val", call_id, result)
+            else:
+                try:
+                    body, _ = encoder.dumps(result)
+                except Exception as exc:
+                    raise TypeError(
+                        f"the result of {getattr(cached_fn[0], '__name__', 'the function')} could not be pickled "
+                        f"({describe(exc)}); return tensors, numbers, lists or dicts of them"
+                    ) from exc
+                reply = ("ok", call_id, body)
         except BaseException as exc:
             failure = _failure(index, device_str, exc, traceback.format_exc())
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 # The function asked this process to end: say so, so that the
                 # pool replaces it at once instead of sending it the next call.
-                conn.send_bytes(pickle.dumps(("exit", call_id, failure)))
+                pipes.write_message(fd, pickle.dumps(("exit", call_id, failure)))
                 return
             reply = ("err", call_id, failure)
-        conn.send_bytes(pickle.dumps(reply))
+        try:
+            pipes.write_message(fd, pickle.dumps(reply))
+        except OSError:
+            return  # the pool closed our pipe: nobody is left to read it
         # Let go of the task now, not when the next one comes: a large
         # result is freed while the caller maps it (not in the next call's
         # time), and the memory probe (worker_memory_limit) does not count it.

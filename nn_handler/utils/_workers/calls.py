@@ -1,0 +1,141 @@
+"""What the scheduler keeps track of: one slot per worker, one call per caller, one task per worker's share.
+
+:class:`_Slot` mirrors a worker process (its pipe, what it runs, what it
+holds); :class:`_Call` is what one caller waits for, with the future that
+gets its outcome (a :class:`CallFuture`); :class:`_Task` is one worker's
+share of a call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import select
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ...errors import ExecutorTimeoutError, ParallelExecutionError, RankFailure, WorkerDiedError
+from . import pipes
+from . import transport as _transport
+
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, _POLL_IN)
+    return bool(poller.poll(0))
+
+
+@dataclass
+class _Slot:
+    index: int
+    device: str
+    process: mp.process.BaseProcess | None = None
+    conn: object = None
+    incarnation: int = 0
+    files: str = ""  # the prefix of its result files (see lending)
+    unloaded: int = 0  # its replies read and not yet loaded: their files must stay until they are
+    has_fn_for: int | None = None  # function id this worker already holds
+    # The twin of the worker's cache of function bodies: what need not be sent again.
+    functions: _transport.FunctionCache = field(default_factory=_transport.FunctionCache)
+    task: "_Task | None" = None  # the task it runs
+    unread: bool = False  # running, and its message went in one write: the worker may have read none of it
+    # How many messages the worker has read in full: a counter in shared memory
+    # it bumps without a word, so that a task costs no acknowledgement (a
+    # wake-up of the caller) and yet its death tells whether it had the task.
+    reads: object = None
+    sent: int = 0  # messages written to this process
+    inbox: "pipes.Inbox | None" = None  # what it sent, read as it comes
+    task_message: int = 0  # the number of its task's message
+    deadline: float | None = None
+    started: object = None  # when it began its task's function (shared memory): the timeout counts from then,
+    handed: float = 0.0  # not from when the task was handed over, before its module's first import
+    served: int = 0  # tasks since it started (max_tasks_per_worker)
+    probing: bool = False  # a memory probe is on its way back (worker_memory_limit)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None
+
+    @property
+    def acked(self) -> bool:
+        """Running, and the worker has read its task's whole message (so it may have run some of it)."""
+        return self.reads is not None and self.reads.value >= self.task_message
+
+    def exited(self) -> bool:
+        """Whether its process has ended: its sentinel is readable. (``Process.is_alive()`` asks the same
+        through a selector, at ten times the cost, on every call.)"""
+        return _readable(self.process.sentinel)
+
+
+class _Call:
+    """What one caller waits for: a broadcast (one task per worker, ``run``) or a single task (``submit``,
+    one ``map`` chunk). Its future gets the result or the error."""
+
+    def __init__(self, fn_id: int, kind: str, fn_blob: _transport.PackedFunction, name: str, timeout: float | None,
+                 future: Future, broadcast: bool = False, fail_fast: bool = False, files=()):
+        self.fn_id, self.kind, self.fn_blob, self.name = fn_id, kind, fn_blob, name
+        self.timeout, self.future, self.broadcast, self.fail_fast = timeout, future, broadcast, fail_fast
+        self.files = list(files)  # shared-memory files of its arguments, removed when it ends
+        self.pending = 0
+        self.results: dict = {}
+        self.failures: list[RankFailure] = []
+        self.exceptions: dict = {}
+        self.died = self.timed_out = self.started = self.done = False
+        # A call whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
+        self.caller_daemon = threading.current_thread().daemon
+
+    # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
+    def add_result(self, key: int, value) -> None:
+        self.results[key] = value
+        self.pending -= 1
+
+    def add_failure(self, record: RankFailure, exc: BaseException | None = None, died: bool = False) -> None:
+        self.failures.append(record)
+        if exc is not None:
+            self.exceptions[record.rank] = exc
+        self.died = self.died or died
+        self.pending -= 1
+
+    def error(self) -> ParallelExecutionError:
+        """The exception for a call with failures: a timeout, a death, or the function's own error."""
+        cls = ExecutorTimeoutError if self.timed_out else WorkerDiedError if self.died else ParallelExecutionError
+        return cls.create(self.failures, self.exceptions, function=self.name)
+
+    def value(self, workers: int):
+        """A broadcast's results in worker order, or the single task's result."""
+        return [self.results[i] for i in range(workers)] if self.broadcast else self.results[0]
+
+
+@dataclass
+class _Task:
+    call: _Call
+    key: int  # a broadcast: the worker index; else 0
+    payload: object  # bytes, or a thunk that writes a map chunk's tensors to shared memory at dispatch
+    target: int | None  # the worker that must run it (a broadcast), or None for any
+    resent: bool = False
+
+
+class CallFuture(Future):
+    """The future of a submitted task: ``result()`` waited on without a timeout does the engine's work in the
+    waiting thread, as ``run()`` does, while no other thread is doing it.
+
+    The reply is then read by the thread that wants it, not by the engine
+    thread, which would hand it over: a thread switch less per task.
+
+    Example:
+        >>> from nn_handler import ParallelExecutor
+        >>> with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:   # doctest: +SKIP
+        ...     type(ex.submit(pow, 2, 10)).__name__
+        'CallFuture'
+    """
+
+    def __init__(self, pool=None):
+        super().__init__()
+        self._pool = pool
+
+    def result(self, timeout=None):
+        if timeout is None and self._pool is not None and not self.done():
+            self._pool.drive_for(self)
+        return super().result(timeout)
