@@ -588,6 +588,49 @@ def test_ctrl_c_in_a_thread_waiting_on_run_ends_the_other_threads_calls_too():
         ex.shutdown()
 
 
+def test_result_reads_the_reply_in_the_waiting_thread():
+    # A future's result() waited on without a timeout does the engine's work itself, as run() does: the
+    # reply is read, and the future settled (its done-callbacks run), in the waiting thread.
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        ex.run(pid_of)
+        settled_in = []
+        future = ex.submit(sleep_then, 0.5, 7)
+        future.add_done_callback(lambda f: settled_in.append(threading.get_ident()))
+        assert future.result() == 7
+        assert settled_in == [threading.get_ident()]
+        timed = ex.submit(sleep_then, 0.5, 8)  # with a timeout it waits on the engine thread, as before
+        assert timed.result(timeout=30) == 8
+
+
+def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone():
+    # Ctrl-C reaches the main thread while it waits in the driver's poll, where nothing is half-read:
+    # the task goes on, its result can still be had, and the workers are the same.
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        pids = ex.run(pid_of)
+        future = ex.submit(sleep_then, 2.0, 7)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            future.result()
+        assert future.result() == 7
+        assert ex.run(pid_of) == pids
+
+
+def test_shutdown_while_another_thread_waits_on_a_result():
+    # That thread drives; shutdown(wait=True) waits for the task, the engine thread ends, nothing hangs.
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    pids = ex.run(pid_of)
+    future = ex.submit(sleep_then, 1.0, 7)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(future.result()), daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # it is in result(), driving
+    ex.shutdown(wait=True)
+    waiter.join(30)
+    assert got == [7]
+    assert ex._pool._engine is None or not ex._pool._engine.is_alive()
+    assert not pids_alive(pids)
+
+
 @pytest.mark.timeout(120)
 def test_the_engine_thread_lets_go_once_nothing_is_outstanding():
     # The engine thread, called in by a submit while a caller drives, may get the driver lock only once that
