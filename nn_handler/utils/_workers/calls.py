@@ -33,6 +33,7 @@ class _Slot:
     device: str
     process: mp.process.BaseProcess | None = None
     conn: object = None
+    fd: int = -1  # conn's descriptor (non-blocking)
     incarnation: int = 0
     files: str = ""  # the prefix of its result files (see lending)
     unloaded: int = 0  # its replies read and not yet loaded: their files must stay until they are

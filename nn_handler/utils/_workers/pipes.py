@@ -182,12 +182,14 @@ def _framed(data: bytes) -> tuple:
 def write_message(fd: int, data: bytes) -> None:
     """Write one message on the blocking ``fd`` (the worker's end); ``OSError`` when the caller's end is closed."""
     for part in _framed(data):
-        view = memoryview(part)
-        while view:
-            view = view[os.write(fd, view):]
+        written = os.write(fd, part)  # the common case: all of it at once
+        if written < len(part):
+            view = memoryview(part)[written:]
+            while view:
+                view = view[os.write(fd, view):]
 
 
-def send(conn, process, data: bytes, deadline: float | None) -> bool:
+def send(fd: int, process, data: bytes, deadline: float | None) -> bool:
     """Write one message in ``Connection.send_bytes``' framing; True when the worker read none of it.
 
     Why not ``send_bytes``: it blocks until the worker has read all but the
@@ -198,8 +200,17 @@ def send(conn, process, data: bytes, deadline: float | None) -> bool:
     deadline. A worker that stops reading (dead, or closed its end) simply
     ends the write; the caller's wait on its sentinel reports it.
     """
-    parts = _framed(data)
-    fd = conn.fileno()  # non-blocking: the pool sets it so once per worker
+    parts = _framed(data)  # ``fd`` is non-blocking: the pool sets it so once per worker
+    if len(parts) == 1:  # the common case: a small message goes whole into the empty pipe, at once
+        try:
+            written = os.write(fd, parts[0])
+        except BlockingIOError:
+            written = 0
+        except OSError:  # EPIPE, ECONNRESET: its end is closed
+            return True
+        if written == len(parts[0]):
+            return True
+        parts = (memoryview(parts[0])[written:],)
     poller = None
     waited = read_some = False  # the worker made room: it was reading this message
     for part in parts:

@@ -216,6 +216,7 @@ class WorkerPool(Scheduler):
             child_conn.close()  # only the child holds its end: EOF once it dies
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
+            slot.fd = parent_conn.fileno()
             slot.reads, slot.started, slot.sent = reads, started, 0
             slot.inbox = pipes.Inbox(parent_conn, process)
             self._generation += 1

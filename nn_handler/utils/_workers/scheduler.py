@@ -368,11 +368,11 @@ class Scheduler:
         message = pickle.dumps((call.fn_id, call.kind, fn_part, payload, files))
         slot.sent += 1
         slot.task_message = slot.sent
-        slot.unread = pipes.send(slot.conn, slot.process, message, slot.deadline)
+        slot.unread = pipes.send(slot.fd, slot.process, message, slot.deadline)
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
             slot.sent += 1
-            pipes.send(slot.conn, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
+            pipes.send(slot.fd, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
 
     def _handle(self, ready: list, watched: dict) -> None:
         for fd, _ in ready:
@@ -385,11 +385,11 @@ class Scheduler:
                 continue
             slot, incarnation = watched[fd]
             # Several messages may be waiting (a reply and a memory probe's): read them all now.
-            while slot.incarnation == incarnation and slot.alive:  # else: replaced, or seen through its other fd
+            while slot.incarnation == incarnation and slot.process is not None:  # else: replaced, or seen already
                 self._handle_slot(slot)
                 # Nothing more when the buffer holds no whole message and the last read emptied the pipe:
                 # what comes later wakes the engine's poll (saves a system call per reply).
-                if not (slot.alive and (slot.inbox.has_message()
+                if not (slot.process is not None and (slot.inbox.has_message()
                                         or not slot.inbox.drained and _readable(slot.conn.fileno()))):
                     break
 
@@ -524,11 +524,10 @@ class Scheduler:
             return
         call.done = True
         self._calls.discard(call)
-        _transport.remove_files(call.files)
+        if call.files:
+            _transport.remove_files(call.files)
         if error is None and call.failures:
             error = call.error()
-        if call.future.done():
-            return
         if error is not None:
             self._lock.later(call.future, error=error)
         else:
