@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from ...errors import PayloadPicklingError, RankFailure
 from . import lending, pipes
 from . import transport as _transport
-from .calls import _POLL_IN, CallFuture, _Call, _Slot, _Task, _readable
+from .calls import _POLL_IN, CallFuture, RunFuture, _Call, _Slot, _Task, _readable
 from .worker import describe
 
 # How long a stopping worker gets to leave on its own before it is killed.
@@ -50,7 +50,7 @@ class Scheduler:
         (a process group), where the others would wait for the failed one forever.
         """
         payload, files = self._encode((args, kwargs))
-        call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, Future(), broadcast=True,
+        call = _Call(self.new_fn_id(), "run", fn_blob, name, timeout, RunFuture(), broadcast=True,
                      fail_fast=fail_fast, files=files)
         self._enqueue([call], [_Task(call, slot.index, payload, slot.index) for slot in self._slots], driven=True)
         try:
