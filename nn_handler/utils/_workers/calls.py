@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import select
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -119,8 +120,8 @@ class _Task:
 
 
 class CallFuture(Future):
-    """The future of a submitted task: ``result()`` waited on without a timeout does the engine's work in the
-    waiting thread, as ``run()`` does, while no other thread is doing it.
+    """The future of a submitted task: ``result()`` does the engine's work in the waiting thread, as ``run()``
+    does, while no other thread is doing it.
 
     The reply is then read by the thread that wants it, not by the engine
     thread, which would hand it over: a thread switch less per task.
@@ -137,8 +138,11 @@ class CallFuture(Future):
         self._pool = pool
 
     def result(self, timeout=None):
-        if timeout is None and self._pool is not None and not self.done():
-            self._pool.drive_for(self)
+        if self._pool is not None and not self.done():
+            until = None if timeout is None else time.monotonic() + timeout
+            self._pool.drive_for(self, until)
+            if until is not None:
+                timeout = max(0.0, until - time.monotonic())
         return super().result(timeout)
 
 

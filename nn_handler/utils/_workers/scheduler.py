@@ -222,13 +222,13 @@ class Scheduler:
                 if self._closed:
                     self._close_wake_pipe()
 
-    def drive_for(self, future: Future) -> None:
-        """Do the engine's work in this thread until ``future`` is done (its ``result()`` is waited on), unless
-        another thread is doing it."""
+    def drive_for(self, future: Future, until: float | None = None) -> None:
+        """Do the engine's work in this thread until ``future`` is done (its ``result()`` is waited on) or
+        ``time.monotonic()`` reaches ``until``, unless another thread is doing it."""
         if os.getpid() != self._owner or self._closed:
             return  # a forked child has none of the workers; a closed pool has nothing to drive
         try:
-            self._drive_until(future)
+            self._drive_until(future, until)
         except KeyboardInterrupt:
             # Ctrl-C (main thread) while waiting: harmless in the poll, where
             # nothing was read yet; elsewhere it may have cut a reply or a
@@ -237,12 +237,13 @@ class Scheduler:
                 self.terminate()
             raise
 
-    def _drive_until(self, future: Future) -> None:
-        """Do the engine's work in this thread until ``future`` is done, unless another thread is doing it."""
+    def _drive_until(self, future: Future, until: float | None = None) -> None:
+        """Do the engine's work in this thread until ``future`` is done (or ``until``), unless another thread
+        is doing it."""
         if not self._driver.acquire(blocking=False):
             return  # the driver settles our future too
         try:
-            while not future.done() and self._drive_once():
+            while not future.done() and (until is None or time.monotonic() < until) and self._drive_once(until):
                 pass
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the caller terminates the pool
@@ -257,9 +258,9 @@ class Scheduler:
                 with self._lock:
                     self._engine_wanted.notify()  # other callers' tasks: the engine thread takes over (or ends)
 
-    def _drive_once(self) -> bool:
+    def _drive_once(self, until: float | None = None) -> bool:
         """One round of the engine (the driver lock is held): hand out tasks, wait for the workers or the
-        next deadline, settle what came back. ``False`` once the pool is closed."""
+        next deadline (or ``until``), settle what came back. ``False`` once the pool is closed."""
         with self._lock:
             if self._closed:
                 return False
@@ -271,6 +272,9 @@ class Scheduler:
                 for fd in self._watched:
                     self._poller.register(fd, _POLL_IN)
             timeout = self._next_deadline()
+            if until is not None:
+                left = until - time.monotonic()
+                timeout = left if timeout is None else min(timeout, left)
         self._polling = True  # (see drive_for)
         ready = self._poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
         self._polling = False
@@ -281,11 +285,13 @@ class Scheduler:
             self._check_deadlines()
             if self._queue or self._closing:
                 self._dispatch()  # the workers freed take their next tasks before anything is unpickled
-            if self._replies:
-                self._loading, self._replies = self._replies, []
-        if self._loading:
-            # Unpickled after the workers have their next tasks, and without the lock.
-            self._load_replies(self._loading)
+            batch, self._replies = self._replies, []
+            if batch:
+                self._loading.append(batch)
+        # Unpickled after the workers have their next tasks, and without the lock. A done-callback run as
+        # the lock was let go may have driven rounds of its own (it called run()): they load their own.
+        if batch:
+            self._load_replies(batch)
         return True
 
     def _fail_everything(self, exc: BaseException) -> None:
@@ -297,8 +303,9 @@ class Scheduler:
                     self._finish(task.call, exc)
             while self._queue:
                 self._finish(self._queue.popleft().call, exc)
-            for task, *_ in self._loading + self._replies:
-                self._finish(task.call, exc)
+            for batch in self._loading + [self._replies]:
+                for task, *_ in batch:
+                    self._finish(task.call, exc)
             self._loading, self._replies = [], []
 
     def _watch_list(self) -> dict:
@@ -453,7 +460,7 @@ class Scheduler:
                                      message=f"the result could not be unpickled in the caller: {describe(exc)}")
                 outcomes.append((task, None, (record, slot, incarnation)))
         with self._lock:
-            self._loading = []  # loaded: a done-callback's run() driving from here starts afresh
+            self._loading = [batch for batch in self._loading if batch is not replies]
             for *_, slot, incarnation, _, files in replies:
                 self._loaded(slot, incarnation, files)
             for task, value, failure in outcomes:
