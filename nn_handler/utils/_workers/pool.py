@@ -8,16 +8,16 @@ Data flow::
       ──> queue a task ───────────────────> a free worker takes the first task
                                             that fits it (run: each worker its own)
                                           ──> write (fn_id, kind, fn, payload) ──> count it read, fn(..., device=dev_i)
-    Future.result() <── set_result ─────── poll(pipes, sentinels, wake pipe) <──── (ok|err, fn_id, body)
+    Future.result() <── set_result ─────── poll(pipes, sentinels, wake pipe) <──── (ok|val|err, fn_id, body)
                                             ├─ a reply: resolve the task's future; recycle the worker if asked
                                             ├─ a sentinel, the task unread by its count: requeue it
                                             ├─ a sentinel: that task fails with WorkerDiedError (a run: the
                                             │   call's other workers are stopped too); replaced on next use
                                             └─ a task's deadline: its workers are killed ──> TimeoutError
 
-The engine's work is done by the caller waiting on ``run()`` (no hand-off
-between threads on the hot path), else by the pool's engine thread (submit,
-map, callbacks). Every task carries its caller's future, so callers in many
+The engine's work is done by the caller waiting on ``run()`` or on a task's
+``result()`` (no hand-off between threads on the hot path), else by the
+pool's engine thread (callbacks, asyncio, ``as_completed``). Every task carries its caller's future, so callers in many
 threads share the workers and one caller's failure or timeout touches only
 its own tasks.
 One duplex pipe per worker (no queue shared by all): a dead worker can only
@@ -25,7 +25,8 @@ break its own pipe. Death is seen on the process sentinel, never by waiting on
 a pipe a dead worker will not write to. The engine owns the running tasks;
 the pool lock guards the slots and the queue, and the engine lets go of it
 while it waits. This module starts, stops and reaps the processes; the
-tasks' half (queue, engine, outcomes) is :mod:`.scheduler`.
+tasks' half (queue, engine, outcomes) is :mod:`.scheduler`, what it keeps
+track of (slots, calls, tasks, their futures) :mod:`.calls`.
 
 Workers come from a forkserver that imported torch once (cheap cold start,
 CUDA-safe because the server never touches CUDA), or from ``spawn`` where
