@@ -171,7 +171,7 @@ def test_requires_grad_comes_with_an_argument_and_not_with_a_result(container):
 def test_a_list_that_cannot_be_packed_travels_one_tensor_at_a_time_with_nothing_lost(sender):
     t = torch.arange(4.0)
     twice = _round_trip([t, torch.ones(4), t], sender, packed=False)
-    assert twice[0] is twice[2] and twice[0] is not twice[1]  # one tensor met twice is one tensor, as pickle's memo has it
+    assert twice[0] is twice[2] and twice[0] is not twice[1]  # one tensor met twice: one tensor (pickle's memo)
     mixed = _round_trip([torch.ones(2), torch.ones(2, dtype=torch.int32), 3, None], sender, packed=False)
     assert [x.dtype for x in mixed[:2]] == [torch.float32, torch.int32] and mixed[2:] == [3, None]
     c = torch.tensor([1 + 2j, 3 - 4j])
@@ -190,3 +190,11 @@ def test_a_large_tensor_in_a_list_still_goes_to_shared_memory():
         assert torch.equal(back, big) and torch.equal(small, torch.ones(2))
     finally:
         transport.remove_files(files)
+
+
+@pytest.mark.parametrize("sender", SENDERS)
+def test_a_nested_tensor_travels_as_torch_pickles_it(sender):
+    nested = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0)])
+    for sent, at in (([nested, torch.ones(2)], 0), ([torch.ones(2), nested], 1), ((nested,), 0)):
+        back = _round_trip(sent, sender, packed=False)[at]
+        assert back.is_nested and [x.tolist() for x in back.unbind()] == [[0.0, 1.0], [0.0, 1.0, 2.0]]

@@ -72,8 +72,8 @@ def pack_list(items, limit: int | None) -> PackedList | None:
     """``items`` as one block of bytes and their shapes; ``None`` unless they all can travel so.
 
     They can when the list holds at least two distinct plain CPU tensors of
-    one dtype, none of them needing grad, with no conjugate or negative bit,
-    each below ``limit`` bytes (``None``: any size). Anything else is left to
+    one dtype, none of them needing grad, nested, or with a conjugate or
+    negative bit, each below ``limit`` bytes (``None``: any size). Anything else is left to
     the caller's pickler (one tensor at a time, or a file for a large one).
     """
     if type(items) is not list or len(items) < 2 or type(items[0]) is not torch.Tensor:
@@ -86,7 +86,7 @@ def pack_list(items, limit: int | None) -> PackedList | None:
     shapes = []
     for t in items:
         if (type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.requires_grad
-                or t.layout is not torch.strided or t.is_neg() or complex_ and t.is_conj()
+                or t.layout is not torch.strided or t.is_nested or t.is_neg() or complex_ and t.is_conj()
                 or limit is not None and t.nbytes >= limit):
             return None
         shapes.append(tuple(t.shape))

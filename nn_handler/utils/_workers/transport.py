@@ -163,8 +163,8 @@ class _Pickler(Pickler):
             if self._direct(t):
                 return t.detach()  # from its device straight into its file (_write), no pageable copy
             t = t.detach().cpu()
-        if not t.is_cpu or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-            return None  # torch's own pickling knows these
+        if not t.is_cpu or t.layout is not torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
+            return None  # torch's own pickling knows these (a nested tensor has no flat bytes)
         if t.requires_grad and not t.is_leaf:
             return None  # let pickle raise its usual error for non-leaf tensors
         if type(t) is torch.nn.Parameter:
