@@ -180,6 +180,12 @@ def test_a_list_that_cannot_be_packed_travels_one_tensor_at_a_time_with_nothing_
     assert [x.tolist() for x in back] == [[1 - 2j, 3 + 4j], [1 + 2j, 3 - 4j], [-2.0, 4.0], [1.0, 1.0]]
 
 
+def test_a_large_tensor_in_a_list_is_never_packed_even_where_every_tensor_goes_as_bytes():
+    big = torch.ones(transport.SHM_THRESHOLD // 4)
+    back = _round_trip([torch.ones(2), big], "results", packed=False)  # one copy less than in a block
+    assert torch.equal(back[1], big)
+
+
 def test_a_large_tensor_in_a_list_still_goes_to_shared_memory():
     encoder = transport.Encoder(**SENDERS["arguments"])
     big = torch.ones(transport.SHM_THRESHOLD // 4)

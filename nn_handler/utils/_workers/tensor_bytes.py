@@ -16,7 +16,7 @@ its shape, contiguous (strides are not kept, see ``docs/executor.md``).
 Example:
     >>> import pickle
     >>> sent = [torch.arange(3), torch.arange(6).reshape(2, 3).t(), torch.tensor(7)]
-    >>> back = pickle.loads(pickle.dumps(pack_list(sent, limit=None)))
+    >>> back = pickle.loads(pickle.dumps(pack_list(sent, limit=1024)))
     >>> [t.tolist() for t in back]
     [[0, 1, 2], [[0, 3], [1, 4], [2, 5]], 7]
 """
@@ -68,13 +68,13 @@ class PackedList:
         return rebuild_list, self.args
 
 
-def pack_list(items, limit: int | None) -> PackedList | None:
+def pack_list(items, limit: int) -> PackedList | None:
     """``items`` as one block of bytes and their shapes; ``None`` unless they all can travel so.
 
     They can when the list holds at least two distinct plain CPU tensors of
     one dtype, none of them needing grad, nested, or with a conjugate or
-    negative bit, each below ``limit`` bytes (``None``: any size). Anything else is left to
-    the caller's pickler (one tensor at a time, or a file for a large one).
+    negative bit, each below ``limit`` bytes. Anything else is left to the
+    caller's pickler (a tensor at a time, or a file for a large one).
     """
     if type(items) is not list or len(items) < 2 or type(items[0]) is not torch.Tensor:
         return None
@@ -87,7 +87,7 @@ def pack_list(items, limit: int | None) -> PackedList | None:
     for t in items:
         if (type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.requires_grad
                 or t.layout is not torch.strided or t.is_nested or t.is_neg() or complex_ and t.is_conj()
-                or limit is not None and t.nbytes >= limit):
+                or t.nbytes >= limit):
             return None
         shapes.append(tuple(t.shape))
     if len(set(map(id, items))) != len(items):

@@ -341,8 +341,12 @@ class Encoder:
         return None if pickler.needs_files else buf.getvalue()
 
     def _packed(self, obj) -> bytes | None:
-        """A list of small tensors of one dtype (a map's chunk, its results) as one block of bytes, or ``None``."""
-        packed = pack_list(obj, None if self.prefix is None else SHM_THRESHOLD)
+        """A list of small tensors of one dtype (a map's chunk, its results) as one block of bytes, or ``None``.
+
+        Small ones only, even where every tensor goes as bytes (no ``prefix``):
+        the block is one more copy of them all.
+        """
+        packed = pack_list(obj, SHM_THRESHOLD)
         return None if packed is None else pickle.dumps(packed, pickle.HIGHEST_PROTOCOL)
 
     def _dump(self, obj, spill: bool, function: bool = False) -> tuple[bytes, _Pickler]:
