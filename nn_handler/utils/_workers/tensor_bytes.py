@@ -71,29 +71,32 @@ class PackedList:
 def pack_list(items, limit: int) -> PackedList | None:
     """``items`` as one block of bytes and their shapes; ``None`` unless they all can travel so.
 
-    They can when the list holds at least two distinct plain CPU tensors of
-    one dtype, none of them needing grad, nested, or with a conjugate or
-    negative bit, each below ``limit`` bytes. Anything else is left to the
-    caller's pickler (a tensor at a time, or a file for a large one).
+    They can when the list holds at least two distinct plain tensors of one
+    dtype, on the CPU, none of them needing grad or nested, of fewer than
+    ``limit`` bytes in all. Anything else is left to the caller's pickler (a
+    tensor at a time, or a file for a large one).
     """
     if type(items) is not list or len(items) < 2 or type(items[0]) is not torch.Tensor:
         return None
     first = items[0]
     dtype = first.dtype
-    if first.is_quantized:  # (a property of the dtype, as is a conjugate bit's possibility)
-        return None
-    complex_ = dtype.is_complex
-    shapes = []
-    for t in items:
-        if (type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.requires_grad
-                or t.layout is not torch.strided or t.is_nested or t.is_neg() or complex_ and t.is_conj()
-                or t.nbytes >= limit):
-            return None
-        shapes.append(tuple(t.shape))
+    if first.is_quantized or first.layout is not torch.strided or first.nbytes * len(items) >= limit:
+        return None  # (quantized: a property of the dtype; the size: a guess, checked below)
     if len(set(map(id, items))) != len(items):
         return None  # one tensor twice: pickle's memo sends it once, and it must come back as one
-    # cat copies 1-D tensors as they are; flattening handles any shape, at a view per tensor.
-    flat = torch.cat(items) if all(len(s) == 1 for s in shapes) else torch._utils._flatten_dense_tensors(items)
+    shapes = []
+    try:  # (a nested tensor has no shape to give: RuntimeError)
+        for t in items:  # the least asked of each tensor: cat checks the rest once for all (below)
+            if type(t) is not torch.Tensor or t.dtype is not dtype or t.requires_grad:
+                return None
+            shapes.append(tuple(t.shape))
+        # cat copies 1-D tensors as they are; flattening takes any shape, at a view per tensor. Either
+        # resolves a conjugate or negative bit, and refuses a mix of devices, layouts or nested tensors.
+        flat = torch.cat(items) if all(len(s) == 1 for s in shapes) else torch._utils._flatten_dense_tensors(items)
+    except RuntimeError:
+        return None
+    if not flat.is_cpu or flat.layout is not torch.strided or flat.is_nested or flat.nbytes >= limit:
+        return None
     data = _bytes_at(flat.data_ptr(), flat.nbytes) if flat.nbytes else b""
     return PackedList(data, dtype, shapes)
 
