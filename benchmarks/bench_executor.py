@@ -11,7 +11,7 @@ floor the machine itself sets, measured in the same run.
 
 CPU workers (two unless ``--workers``). Prints one table: warm per-call latency of a broadcast
 call (one task per worker), the round trip of one ``submit(...).result()``, map throughput over 4000 small tensors (chunks of
-64), result throughput for a 64 MiB tensor per worker (the worker keeps the
+64; the median of three maps, each after a full garbage collection), result throughput for a 64 MiB tensor per worker (the worker keeps the
 tensor, so only the transfer is timed), cold start of a whole process, and the
 time from a worker's death to the error in the caller. Then the floors: a bare
 ``multiprocessing.Pipe`` round trip of a few bytes to warm echo processes (one,
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -166,13 +167,24 @@ def submit_latency(peer, n):
     return statistics.median(times) * 1e6
 
 
-def map_throughput(peer, n_items=4000, chunksize=64):
-    items = [torch.full((16,), float(i)) for i in range(n_items)]
-    t = time.perf_counter()
-    out = peer.map(small_sum, items, chunksize)
-    dt = time.perf_counter() - t
-    assert len(out) == n_items and float(out[-1][0]) == 2.0 * (n_items - 1)
-    return n_items / dt
+def map_throughput(peer, n_items=4000, chunksize=64, rounds=3):
+    """Items/s of one map, the median of ``rounds``, each started after a full garbage collection.
+
+    Without it the first map after ``import torch`` may run the process's first
+    full collection (about 80 ms over torch's objects, in the caller: more than
+    the whole map), which would be timed as the map's own cost.
+    """
+    rates = []
+    for _ in range(rounds):
+        items = [torch.full((16,), float(i)) for i in range(n_items)]
+        gc.collect()
+        t = time.perf_counter()
+        out = peer.map(small_sum, items, chunksize)
+        dt = time.perf_counter() - t
+        assert len(out) == n_items and float(out[-1][0]) == 2.0 * (n_items - 1)
+        rates.append(n_items / dt)
+        del items, out
+    return statistics.median(rates)
 
 
 def result_throughput(peer, reps):

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from . import lending
+from .tensor_bytes import pack_list, reduce_tensor
 from .pickler import Pickler
 from .function_memo import fresh_copy
 
@@ -103,28 +104,13 @@ def _rebuild_lent(owner: str, key: str, nbytes: int, dtype: torch.dtype, shape, 
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
-def _rebuild_small(data: bytes, dtype: torch.dtype, shape, requires_grad: bool):
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    tensor = flat.view(dtype).reshape(shape)
-    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
-
-
-# Bytes out of a tensor without numpy (not a dependency: Tensor.numpy() fails
-# without it). A torch storage has no buffer interface and bytes() of one goes
-# element by element, so the raw memory is read through ctypes: string_at
-# copies (as fast as numpy's tobytes), PyMemoryView_FromMemory does not (a
-# ctypes array type would do too, but ctypes caches one type per length).
+# The raw memory of a large tensor, written to its file without a copy (a
+# storage has no buffer interface; numpy is not a dependency). Small tensors
+# travel as bytes in the message instead: see tensor_bytes.
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
 _memory_view.restype = ctypes.py_object
 _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PyBUF_READ = 0x100
-
-
-def _reduce_small(t: torch.Tensor):
-    # torch's own pickling of a tensor runs torch.save on its storage, which
-    # costs tens of microseconds per tensor; raw bytes cost a copy.
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return _rebuild_small, (ctypes.string_at(raw.data_ptr(), raw.nbytes), t.dtype, tuple(t.shape), t.requires_grad)
 
 
 # Pickled alike by the C pickler and by ours, which costs 2 µs just to set up:
@@ -164,20 +150,22 @@ class _Pickler(Pickler):
         self.needs_files = False
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
-            reduced = self._reduce_tensor(obj)
-            if reduced is not None:
-                return reduced
+        # Called for nearly every object pickled (a map chunk's thousands of
+        # tensors): the common case, a small tensor, takes two calls here.
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:  # (a subclass keeps its own pickling)
+            t = self._sendable(obj)
+            if t is not None:
+                return reduce_tensor(t) if self._prefix is None or t.nbytes < SHM_THRESHOLD else self._reduce_large(t)
         return super().reducer_override(obj)
 
     def _sendable(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` as this pickler sends it (detached and on the CPU for results), or ``None``: torch pickles it."""
-        if self._to_cpu and (t.requires_grad or t.device.type != "cpu"):
+        if self._to_cpu and (t.requires_grad or not t.is_cpu):
             if self._direct(t):
                 return t.detach()  # from its device straight into its file (_write), no pageable copy
             t = t.detach().cpu()
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-            return None  # torch's own pickling knows these
+        if not t.is_cpu or t.layout is not torch.strided or t.is_nested or t.is_quantized or t.is_conj() or t.is_neg():
+            return None  # torch's own pickling knows these (a nested tensor has no flat bytes)
         if t.requires_grad and not t.is_leaf:
             return None  # let pickle raise its usual error for non-leaf tensors
         if type(t) is torch.nn.Parameter:
@@ -189,12 +177,8 @@ class _Pickler(Pickler):
                 and self._lent.copies_directly(t) and t.layout == torch.strided
                 and not (t.is_quantized or t.is_conj() or t.is_neg()))
 
-    def _reduce_tensor(self, t: torch.Tensor):
-        t = self._sendable(t)
-        if t is None:
-            return None
-        if self._prefix is None or t.nbytes < SHM_THRESHOLD:
-            return _reduce_small(t)
+    def _reduce_large(self, t: torch.Tensor):
+        """How ``t`` (sendable, of at least ``SHM_THRESHOLD`` bytes) travels: by the name of a file."""
         if self._probe:
             self.needs_files = True
             return int, ()  # a stand-in: probing checks that the rest pickles, and copies nothing
@@ -243,11 +227,10 @@ class _FunctionPickler(_Pickler):
         super().__init__(file, prefix, counter, to_cpu=False, private=True, spill=spill)
         self.bindings: list[tuple] = []  # per index: how the worker maps this call's file (see _rebuild_shared)
 
-    def _reduce_tensor(self, t: torch.Tensor):
-        reduced = super()._reduce_tensor(t)
-        if reduced is None or reduced[0] is not _rebuild_shared:
-            return reduced  # small: in the bytes (a change to it changes the function's digest)
-        self.bindings.append(reduced[1][:-1])  # (path, nbytes, dtype, shape, requires_grad)
+    def _reduce_large(self, t: torch.Tensor):
+        # (A small tensor stays in the bytes: a change to it changes the function's digest.)
+        _, args = super()._reduce_large(t)  # _rebuild_shared's: this pickler neither probes nor lends
+        self.bindings.append(args[:-1])  # (path, nbytes, dtype, shape, requires_grad)
         # Met twice, a tensor is reduced once (pickle's memo): one file, one tensor in the worker.
         return _bound_tensor, (len(self.bindings) - 1,)
 
@@ -308,6 +291,9 @@ class Encoder:
         """Return the bytes and the shared-memory files created for them."""
         if plain(obj):
             return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []  # nothing for cloudpickle to do: the C pickler
+        packed = self._packed(obj)
+        if packed is not None:
+            return packed, []
         data, pickler = self._with_room(lambda spill: self._dump(obj, spill))
         if self.lent is not None:
             for path, fd, nbytes in pickler.written:
@@ -347,10 +333,22 @@ class Encoder:
         Raises what :meth:`dumps` raises for what cannot be pickled, at the
         cost of pickling, not of copying the large tensors.
         """
+        packed = self._packed(obj)
+        if packed is not None:
+            return packed
         buf = io.BytesIO()
         pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, probe=True)
         pickler.dump(obj)
         return None if pickler.needs_files else buf.getvalue()
+
+    def _packed(self, obj) -> bytes | None:
+        """A list of small tensors of one dtype (a map's chunk, its results) as one block of bytes, or ``None``.
+
+        Small ones only, even where every tensor goes as bytes (no ``prefix``):
+        the block is one more copy of them all.
+        """
+        packed = pack_list(obj, SHM_THRESHOLD)
+        return None if packed is None else pickle.dumps(packed, pickle.HIGHEST_PROTOCOL)
 
     def _dump(self, obj, spill: bool, function: bool = False) -> tuple[bytes, _Pickler]:
         buf = io.BytesIO()

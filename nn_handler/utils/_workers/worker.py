@@ -149,6 +149,21 @@ def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_de
     return fn(*args, **kwargs, device=device)
 
 
+def call_each(fn_and_position, items, device, pass_device: bool) -> list:
+    """``call_with_device`` for each item of a map chunk, with the branch taken once for the chunk.
+
+    Example:
+        >>> call_each((lambda x, device: (x, device), None), [1, 2], "cpu", True)
+        [(1, 'cpu'), (2, 'cpu')]
+    """
+    fn, position = fn_and_position
+    if not pass_device:
+        return [fn(item) for item in items]
+    if position == 0:  # (a later slot is past the one item: by keyword, as call_with_device does)
+        return [fn(device, item) for item in items]
+    return [fn(item, device=device) for item in items]
+
+
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
                 shm_prefix: str | None, parent_pid: int, reads=None, started=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
@@ -226,7 +241,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 args, kwargs = payload
                 result = call(cached_fn, args, kwargs)
             else:
-                result = [call(cached_fn, (item,), {}) for item in payload]
+                result = call_each(cached_fn, payload, device, pass_device)
             if _transport.plain(result):
                 # A number, a short tuple of them: inside the reply itself, which
                 # the pool loads at once (nothing of the user's runs in that load).
