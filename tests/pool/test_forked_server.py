@@ -28,6 +28,8 @@ _CALLER = textwrap.dedent("""
     print("TOP LEVEL RAN", flush=True)  # outside the guard: counts who runs the script
 
     def report(device):
+        import logging
+        logging.getLogger("caller").warning("worker %d logged", os.getpid())
         fds = {}
         for fd in os.listdir("/proc/self/fd"):
             try:
@@ -47,6 +49,8 @@ _CALLER = textwrap.dedent("""
         from nn_handler import ParallelExecutor
         how = sys.argv[1]
         held = [socket.socket(), *os.pipe(), open(os.path.join(sys.argv[2], "log.txt"), "w")]
+        import logging
+        logging.basicConfig(filename=os.path.join(sys.argv[2], "caller.log"))
         if how == "thread":
             stop = threading.Event()
             threading.Thread(target=stop.wait).start()
@@ -97,6 +101,9 @@ def test_workers_come_from_a_fork_of_the_caller_that_holds_none_of_its_sockets_o
     # one server for both executors, and the script ran once: the workers did not import it again
     assert len({w["server"] for w in out["first"] + out["second"]}) == 1
     assert stdout.count("TOP LEVEL RAN") == 1, stdout
+    # the caller's logging handler, its lock and its file work in the workers
+    logged = (tmp_path / "caller.log").read_text()
+    assert all(f"worker {w['pid']} logged" in logged for w in out["first"] + out["second"]), logged
 
 
 @pytest.mark.timeout(180)

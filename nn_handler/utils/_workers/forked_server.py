@@ -135,7 +135,7 @@ def start(in_server=None) -> bool:
             pass
     address = connection.arbitrary_address("AF_UNIX")
     listener = socket.socket(socket.AF_UNIX)
-    alive_r = alive_w = None
+    alive_r = alive_w = pid = None
     try:
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
@@ -147,20 +147,25 @@ def start(in_server=None) -> bool:
             _serve(listener.fileno(), alive_r, alive_w, in_server)  # never returns
         with server._lock:
             server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-        alive_w = None
+        alive_w = pid = None
         return True
+    except OSError:  # no socket, no pipe, no fork (out of memory or processes): the stdlib's server then
+        return False
     finally:
         listener.close()
         if alive_r is not None:
             os.close(alive_r)
         if alive_w is not None:
-            os.close(alive_w)
+            os.close(alive_w)  # not recorded (Ctrl-C right after the fork): the copy sees EOF and ends
+        if pid is not None:
+            os.waitpid(pid, 0)  # and is reaped
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, in_server) -> None:
     """The copy: shed the caller's descriptors and handlers, then run the stdlib's forkserver loop."""
     code = 1
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the caller decides
         os.close(alive_w)
         _set_name()
         _close_inherited_fds(keep={0, 1, 2, listener_fd, alive_r})
