@@ -98,6 +98,8 @@ def test_workers_come_from_a_fork_of_the_caller_that_holds_none_of_its_sockets_o
         held = set(worker["fds"].values())
         assert not held & {socket_, pipe_r, pipe_w}, f"a worker holds the caller's {held & {socket_, pipe_r, pipe_w}}"
         assert log in held  # a regular file stays open: a logging handler keeps writing to it
+        socket_fd = next(fd for fd, target in caller.items() if target == socket_)
+        assert worker["fds"][socket_fd] == "/dev/null"  # its number is not reused for a pipe of the worker
     # one server for both executors, and the script ran once: the workers did not import it again
     assert len({w["server"] for w in out["first"] + out["second"]}) == 1
     assert stdout.count("TOP LEVEL RAN") == 1, stdout

@@ -13,9 +13,10 @@ starts its own spawned server on the next start, as it would for its own.
 
 Forking is safe only when no other thread can hold a lock or a pool the copy
 would need: :func:`unsafe_reason` says why not, else ``None``. The copy keeps
-nothing of the caller that could tie either one's lifetime to the other
-(every file descriptor but stdin/stdout/stderr and regular files goes), and
-none of the caller's Python signal handlers.
+nothing of the caller that could tie either one's lifetime to the other (the
+caller's sockets, pipes and shared memory become ``/dev/null`` in it; stdin,
+stdout, stderr, regular files and devices stay), and none of the caller's
+Python signal handlers.
 
 Example:
     >>> unsafe_reason(environ={"NN_HANDLER_WORKER_SERVER": "forkserver"})
@@ -203,19 +204,29 @@ def _set_name() -> None:
 
 
 def _close_inherited_fds(keep: set[int]) -> None:
-    """Close the caller's sockets, pipes, devices and shared-memory files (a worker must not hold them open:
-    a peer would never see EOF); regular files stay (a logging handler keeps writing to its file)."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd in keep:
-            continue
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode) and not os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/"):
+    """Let go of the caller's sockets, pipes, devices' events and shared memory: a worker must not hold them (a
+    peer would never see EOF, memory would stay). Each becomes ``/dev/null`` rather than closed, so that its
+    number is never reused for a worker's own pipe: an object of the caller that still writes to it (a
+    ``SysLogHandler``'s socket) cannot corrupt the worker's messages. Regular files, terminals and other
+    devices stay (a logging handler keeps writing to its file)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd in keep or fd == null:
                 continue
-            os.close(fd)
-        except OSError:  # the descriptor of the listdir itself, gone by now
-            pass
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISREG(mode):
+                    keep_it = not os.readlink(f"/proc/self/fd/{fd}").startswith(("/dev/shm/", "/memfd:"))
+                else:
+                    keep_it = stat.S_ISCHR(mode) or stat.S_ISDIR(mode) or stat.S_ISBLK(mode)
+                if not keep_it:
+                    os.dup2(null, fd, inheritable=os.get_inheritable(fd))
+            except OSError:  # the descriptor of the listdir itself, gone by now
+                pass
+    finally:
+        os.close(null)
 
 
 def _reset_signal_handlers() -> None:
