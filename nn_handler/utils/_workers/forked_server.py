@@ -32,6 +32,7 @@ import socket
 import stat
 import sys
 import threading
+import warnings
 
 _ENV = "NN_HANDLER_WORKER_SERVER"  # "forkserver": never fork the caller
 _NAME = b"nnh-forkserver"  # the copy's /proc/<pid>/comm, so that tools (and the tests' hygiene) can tell it
@@ -143,7 +144,9 @@ def start(in_server=None) -> bool:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()  # the server ends at EOF: the caller and every worker gone
-        pid = os.fork()
+        with warnings.catch_warnings():  # Python >= 3.12 warns of any other thread; unsafe_reason() vetted them
+            warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             _serve(listener.fileno(), alive_r, alive_w, in_server)  # never returns
         with server._lock:
