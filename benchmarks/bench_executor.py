@@ -418,7 +418,8 @@ if __name__ == "__main__":
 """
 COLD_IMPORT = "import torch"
 # From just after `import torch` to the first result of a 2-worker executor: what nn_handler adds to a cold start
-# (importing it, the forkserver with its preload, the workers, one call), without torch's own import in the caller.
+# (importing it, the forkserver: a fork of the caller, or where that is unsafe a fresh interpreter importing torch,
+# the workers, one call), without torch's own import in the caller.
 COLD_FIRST_RESULT = """
 import time
 import torch

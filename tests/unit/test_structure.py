@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_command
 
 PACKAGE = REPO / "nn_handler"
 
@@ -273,15 +274,31 @@ def test_only_the_worker_pool_starts_processes():
 
 
 # ----------------------------------------------------------------------------- a real worker child
-@pytest.mark.timeout(120)
-def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers():
-    from nn_handler import ParallelExecutor
+_LOADED_BY_A_WORKER = """
+import json, sys
 
-    def loaded_modules():  # defined here so that it travels by value and imports nothing of ours
-        return sorted(m for m in sys.modules if m == "nn_handler" or m.startswith("nn_handler."))
+def loaded_modules():  # defined here so that it travels by value and imports nothing of ours
+    return sorted(m for m in sys.modules if m == "nn_handler" or m.startswith("nn_handler."))
+
+if __name__ == "__main__":  # the worker imports this script: only the executor's own imports count
+    from nn_handler import ParallelExecutor
 
     with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=90) as ex:
         [loaded] = ex.run(loaded_modules)
+    print("LOADED", json.dumps(loaded))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers(tmp_path):
+    # What a worker imports itself, from the spawned forkserver (a forkserver forked from the caller has the
+    # caller's modules already, whatever they are): in a fresh process, told to use that server.
+    script = tmp_path / "loaded.py"
+    script.write_text(_LOADED_BY_A_WORKER)
+    out = run_command([sys.executable, str(script)], timeout=110,
+                      env={"PYTHONPATH": str(REPO), "NN_HANDLER_WORKER_SERVER": "forkserver"}).stdout
+    [line] = [line for line in out.splitlines() if line.startswith("LOADED ")]
+    loaded = json.loads(line[len("LOADED "):])
     assert "nn_handler.utils._workers.worker" in loaded  # it really ran in a worker
     assert not set(loaded) & NOT_IN_A_WORKER, f"a worker child loaded {loaded}"
     assert set(loaded) <= WORKER_CHILD, f"a worker child also loaded {sorted(set(loaded) - WORKER_CHILD)}"

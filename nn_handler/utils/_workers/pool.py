@@ -28,9 +28,12 @@ while it waits. This module starts, stops and reaps the processes; the
 tasks' half (queue, engine, outcomes) is :mod:`.scheduler`, what it keeps
 track of (slots, calls, tasks, their futures) :mod:`.calls`.
 
-Workers come from a forkserver that imported torch once (cheap cold start,
-CUDA-safe because the server never touches CUDA), or from ``spawn`` where
-there is no forkserver.
+Workers come from a forkserver (CUDA-safe because the server never touches
+CUDA), or from ``spawn`` where there is no forkserver. The server is a fork of
+the caller where that is safe (:mod:`.forked_server`: torch imported, no other
+thread running, CUDA not initialized, x86-64 Linux), so the cold start does not
+import torch a second time; otherwise a fresh interpreter that imports torch
+once for every worker.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
     WorkerDiedError,
     describe_exit,
 )
-from . import lending, pipes
+from . import forked_server, lending, pipes
 from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
@@ -90,6 +93,13 @@ def _register_exit_hook() -> None:
 _register_exit_hook()
 
 
+def _forget_forkserver_user() -> None:
+    # In the forked server, so in its workers: their own executors start their own forkserver, as they
+    # would from a fresh interpreter.
+    global _forkserver_user
+    _forkserver_user = None
+
+
 def _context():
     global _forkserver_user
     # A child made with os.fork() inherits its parent's forkserver handle,
@@ -99,6 +109,8 @@ def _context():
         ctx = mp.get_context("forkserver")
         # Only takes effect if this process has not started its forkserver yet.
         ctx.set_forkserver_preload(["torch", "nn_handler.utils._workers.worker"])
+        # A caller with torch imported and no other thread running forks the server from itself instead.
+        forked_server.start(in_server=_forget_forkserver_user)
         return ctx
     return mp.get_context("spawn")
 
