@@ -607,6 +607,27 @@ def test_result_reads_the_reply_in_the_waiting_thread():
         assert timed.result(timeout=30) == 8
 
 
+def test_a_task_nobody_waited_for_is_done_when_looked_at():
+    # A submit whose task went straight to a worker calls no other thread in: whoever looks at the
+    # future reads the reply. done() after the task has ended says so at once, as does a callback
+    # added later, and a wait() or as_completed() over it.
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        ex.run(pid_of)
+        future = ex.submit(sleep_then, 0.1, 1)
+        time.sleep(1.0)
+        assert future.done() and future.result() == 1
+        called = threading.Event()
+        later = ex.submit(sleep_then, 0.1, 2)
+        time.sleep(0.5)
+        later.add_done_callback(lambda f: called.set())
+        assert called.wait(10)
+        pair = [ex.submit(sleep_then, 0.1, 3), ex.submit(sleep_then, 0.1, 4)]
+        assert cf.wait(pair, timeout=10).not_done == set()
+        more = [ex.submit(sleep_then, 0.1, 5), ex.submit(sleep_then, 0.1, 6)]
+        assert sorted(f.result() for f in cf.as_completed(more, timeout=10)) == [5, 6]
+        assert isinstance(ex.submit(divide, 1, 0).exception(timeout=10), ZeroDivisionError)
+
+
 def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone():
     # Ctrl-C reaches the main thread while it waits in the driver's poll, where nothing is half-read:
     # the task goes on, its result can still be had, and the workers are the same.

@@ -124,7 +124,11 @@ class CallFuture(Future):
     does, while no other thread is doing it.
 
     The reply is then read by the thread that wants it, not by the engine
-    thread, which would hand it over: a thread switch less per task.
+    thread, which would hand it over: a thread switch less per task, and the
+    engine thread is not even woken (see ``Scheduler._enqueue``). Every other
+    way of looking at the outcome (``done()``, ``exception()``, a done-callback,
+    ``concurrent.futures.wait`` and ``as_completed``, asyncio) reads what has
+    come and calls the engine thread in.
 
     Example:
         >>> from nn_handler import ParallelExecutor
@@ -136,14 +140,50 @@ class CallFuture(Future):
     def __init__(self, pool=None):
         super().__init__()
         self._pool = pool
+        if pool is not None:
+            self._waiters = _CallingIn(pool)  # concurrent.futures.wait and as_completed put their waiter here
 
     def result(self, timeout=None):
-        if self._pool is not None and not self.done():
-            until = None if timeout is None else time.monotonic() + timeout
+        until = None if timeout is None else time.monotonic() + timeout
+        self._drive(until)
+        return super().result(None if until is None else max(0.0, until - time.monotonic()))
+
+    def exception(self, timeout=None):
+        until = None if timeout is None else time.monotonic() + timeout
+        self._drive(until)
+        return super().exception(None if until is None else max(0.0, until - time.monotonic()))
+
+    def done(self) -> bool:
+        if self._pool is not None and self._pool._deferred and not super().done():
+            self._drive(time.monotonic())  # what has come, without waiting
+        return super().done()
+
+    def settled(self) -> bool:
+        """``done()`` without looking for the outcome (the pool's own check while it drives)."""
+        return super().done()
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        if self._pool is not None:
+            self._pool.call_engine_in()  # it must run even if nobody waits
+
+    def _drive(self, until: float | None) -> None:
+        if self._pool is not None and not super().done():
             self._pool.drive_for(self, until)
-            if until is not None:
-                timeout = max(0.0, until - time.monotonic())
-        return super().result(timeout)
+            if not super().done():
+                self._pool.call_engine_in()  # another thread drives, or the time is up: nobody may be left
+
+
+class _CallingIn(list):
+    """A future's list of waiters that calls the pool's engine thread in when one is added."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self._pool = pool
+
+    def append(self, waiter) -> None:
+        super().append(waiter)
+        self._pool.call_engine_in()
 
 
 class RunFuture:
@@ -174,6 +214,8 @@ class RunFuture:
 
     def done(self) -> bool:
         return self._done
+
+    settled = done
 
     def set_result(self, result) -> None:
         self._settle(result, None)

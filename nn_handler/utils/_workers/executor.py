@@ -402,7 +402,8 @@ class ParallelExecutor(concurrent.futures.Executor):
         except BaseException:
             fn_blob.release()
             raise
-        future.add_done_callback(lambda _: fn_blob.release())  # its large-tensor files, once it is over
+        # Its large-tensor files, once it is over (the base class's method: this is no one looking at the outcome).
+        concurrent.futures.Future.add_done_callback(future, lambda _: fn_blob.release())
         # ``ParallelExecutor().submit(f).result()``: the executor lives as long as
         # the future, not only as long as the caller's reference to it.
         future._nn_handler_executor = self
@@ -507,7 +508,7 @@ class _MapChunks:
         with self.lock:
             self.pending += len(futures)
         for future in futures:
-            future.add_done_callback(self._chunk_over)
+            concurrent.futures.Future.add_done_callback(future, self._chunk_over)  # (no one looking: see CallFuture)
         return futures
 
     def _chunk_over(self, _future) -> None:
