@@ -628,6 +628,32 @@ def test_a_task_nobody_waited_for_is_done_when_looked_at():
         assert isinstance(ex.submit(divide, 1, 0).exception(timeout=10), ZeroDivisionError)
 
 
+@pytest.mark.timeout(120)
+def test_as_completed_while_the_engine_starts_a_queued_task(monkeypatch):
+    # as_completed() adds its waiter under each future's lock while the engine starts a queued task (that
+    # future's lock, under the pool's): calling the engine in from there must not take the pool lock.
+    from nn_handler.utils._workers.calls import CallFuture
+
+    slow = threading.Event()
+
+    def set_running_slowly(future):
+        if slow.is_set():
+            time.sleep(0.3)  # holding the pool lock: as_completed() below takes the futures' locks meanwhile
+        return cf.Future.set_running_or_notify_cancel(future)
+
+    monkeypatch.setattr(CallFuture, "set_running_or_notify_cancel", set_running_slowly)
+    with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
+        ex.run(pid_of)
+        for round_ in range(3):
+            first = [ex.submit(sleep_then, 0.2, i) for i in range(2)]  # on the workers: nobody drives yet
+            slow.set()
+            queued = ex.submit(square, 3)  # started once a reply frees a worker, at about 0.2 s
+            time.sleep(0.35)  # the engine is starting it, slowly
+            got = sorted(f.result() for f in cf.as_completed([*first, queued], timeout=30))
+            slow.clear()
+            assert got == [0, 1, 9], round_
+
+
 def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone():
     # Ctrl-C reaches the main thread while it waits in the driver's poll, where nothing is half-read:
     # the task goes on, its result can still be had, and the workers are the same.

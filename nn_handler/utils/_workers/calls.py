@@ -175,7 +175,13 @@ class CallFuture(Future):
 
 
 class _CallingIn(list):
-    """A future's list of waiters that calls the pool's engine thread in when one is added."""
+    """A future's list of waiters that calls the pool's engine thread in when one is added.
+
+    ``concurrent.futures.wait`` adds its waiter while it holds the future's
+    lock, and the pool takes a future's lock under its own (to start a
+    task): taking the pool lock here could deadlock, so a short-lived thread
+    does it (only for a task nobody drives yet, see ``Scheduler._enqueue``).
+    """
 
     def __init__(self, pool):
         super().__init__()
@@ -183,7 +189,8 @@ class _CallingIn(list):
 
     def append(self, waiter) -> None:
         super().append(waiter)
-        self._pool.call_engine_in()
+        if self._pool._deferred:
+            threading.Thread(target=self._pool.call_engine_in, name="nn_handler-call-in", daemon=True).start()
 
 
 class RunFuture:

@@ -144,6 +144,7 @@ class Scheduler:
                 wake = any(task.call.timeout is not None for task in tasks)
                 if not driven:
                     if self._queue or wake:  # a task waits for a worker, or has a deadline: watch from now on
+                        self._deferred = False
                         self._engine_wanted.notify()
                     else:
                         # Every task is on a worker: the engine thread (a wake-up,
