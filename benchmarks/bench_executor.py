@@ -15,7 +15,8 @@ call (one task per worker), the round trip of one ``submit(...).result()``, map 
 tensor, so only the transfer is timed), cold start of a whole process, and the
 time from a worker's death to the error in the caller. Then the floors: a bare
 ``multiprocessing.Pipe`` round trip of a few bytes to warm echo processes (one,
-and one per worker overlapped, as a broadcast call does), a bare ``pickle``
+and one per worker overlapped, as a broadcast call does; for reference also
+over two one-way pipes per process, as the workers are connected), a bare ``pickle``
 round trip of the same payload, a one-process ``clone()`` of the result tensor
 and the caller's own loop over the map's items; and every target as a ratio
 to them (a ratio <= 1 meets a "<=" target, >= 1 a ">=" one).
@@ -258,41 +259,53 @@ def closure_vs_argument(calls=5, nbytes=RESULT_BYTES):
 PAYLOAD = pickle.dumps(1, pickle.HIGHEST_PROTOCOL)  # what a tiny call carries each way: a few bytes
 
 
-def _echo(conn):
-    """A warm process that sends back every message it gets, until its pipe closes."""
+def _echo(conn, out=None):
+    """A warm process that sends back every message it gets (on ``out``, else on ``conn``), until its pipe closes."""
+    out = out or conn
     while True:
         try:
             data = conn.recv_bytes()
         except EOFError:
             return
-        conn.send_bytes(data)
+        out.send_bytes(data)
 
 
-def pipe_round_trip(n, processes=1):
-    """Median seconds of a round trip of ``PAYLOAD`` to each of ``processes`` warm echo processes, overlapped."""
+def pipe_round_trip(n, processes=1, one_way=False):
+    """Median seconds of a round trip of ``PAYLOAD`` to each of ``processes`` warm echo processes, overlapped.
+
+    Over ``multiprocessing.Pipe()`` (a socket pair), or with ``one_way`` over two
+    one-way pipes per process, as the executor's workers are connected."""
     ctx = mp.get_context("spawn")
     ends, children = [], []
     for _ in range(processes):
-        mine, theirs = ctx.Pipe()
-        child = ctx.Process(target=_echo, args=(theirs,), daemon=True)
+        if one_way:
+            their_in, to_them = ctx.Pipe(duplex=False)
+            from_them, their_out = ctx.Pipe(duplex=False)
+            theirs, mine = (their_in, their_out), (from_them, to_them)
+        else:
+            end, their_end = ctx.Pipe()
+            theirs, mine = (their_end,), (end, end)
+        child = ctx.Process(target=_echo, args=theirs, daemon=True)
         child.start()
-        theirs.close()
+        for conn in theirs:
+            conn.close()
         ends.append(mine)
         children.append(child)
     try:
         times = []
         for i in range(n + 200):  # the first 200 warm both sides up
             t = time.perf_counter()
-            for end in ends:
+            for _, end in ends:
                 end.send_bytes(PAYLOAD)
-            for end in ends:
+            for end, _ in ends:
                 end.recv_bytes()
             if i >= 200:
                 times.append(time.perf_counter() - t)
         return statistics.median(times)
     finally:
-        for end in ends:
-            end.close()
+        for pair in ends:
+            for end in set(pair):
+                end.close()
         for child in children:
             child.join(10)
             if child.is_alive():
@@ -493,6 +506,7 @@ def main(argv=None):
     # The floor first, while nothing else of ours runs.
     pipe_one = pipe_round_trip(n_lat)
     pipe_all = pipe_round_trip(n_lat, workers)
+    pipe_all_one_way = pipe_round_trip(n_lat, workers, one_way=True)
     pickled = pickle_round_trip()
     own_loop = own_loop_rate()
 
@@ -534,6 +548,7 @@ def main(argv=None):
     print("\nfloor, measured in this run:")
     print(f"  pipe round trip, {len(PAYLOAD)} bytes, 1 process      {pipe_one * 1e6:8.1f} us")
     print(f"  pipe round trip, {workers} processes overlapped   {pipe_all * 1e6:8.1f} us")
+    print(f"    the same over two one-way pipes each    {pipe_all_one_way * 1e6:8.1f} us  (as our workers are connected)")
     print(f"  pickle round trip of the payload          {pickled * 1e6:8.2f} us")
     print(f"  single-process clone, 64 MiB              {clone:8.2f} GB/s")
     print(f"  the caller's own loop over the map items  {own_loop:8.0f} items/s")
@@ -556,6 +571,8 @@ def main(argv=None):
     for label, value, target, ok in checks:
         print(f"  {label:46} {value:6.2f}  [{target}]  {'holds' if ok else 'MISSED'}")
     print(f"  {len([c for c in checks if c[3]])} of {len(checks)} targets hold")
+    print(f"  (run median / one-way-pipe round trip: {ours['run median (us)'] / ((pipe_all_one_way + 2 * pickled) * 1e6):.2f};"
+          f" not a target, the floor of the transport our workers use)")
     ppe = rows["ProcessPool"]
     print("\nagainst the peers (for reference):")
     if "loky" in rows:

@@ -1,14 +1,14 @@
 """A worker's messages as the caller reads them: whole, in order, however the bytes arrive; never blocking past a
 deadline or on a worker that is gone.
 
-A socket pair stands in for the worker's pipe (the pool's is one too) and a stand-in process for the worker.
+The pool's own pair of one-way pipes carries the bytes, written raw here, and a stand-in process plays the worker.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
-import socket
 import struct
 import threading
 import time
@@ -33,15 +33,30 @@ class FakeWorker:
         os.close(self._end)
 
 
+class RawEnd:
+    """The worker's end of the pipe, for writing any bytes (a message in pieces, half a message)."""
+
+    def __init__(self, side: pipes.Channel):
+        self._side = side
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._side.writer.fileno(), view):]
+
+    def close(self) -> None:
+        self._side.close()
+
+
 @pytest.fixture
 def pipe():
-    """``(inbox, worker's socket, worker)``."""
-    caller, worker_end = socket.socketpair()
-    caller.setblocking(False)
+    """``(inbox, worker's end, worker)``."""
+    caller, worker_side = pipes.channel(mp.get_context("spawn"))
+    os.set_blocking(caller.fileno(), False)  # as the pool sets it
     worker = FakeWorker()
-    yield pipes.Inbox(caller, worker), worker_end, worker
+    yield pipes.Inbox(caller, worker), RawEnd(worker_side), worker
     caller.close()
-    worker_end.close()
+    worker_side.close()
 
 
 def frame(obj, big_header: bool = False) -> bytes:

@@ -33,8 +33,8 @@ class _Slot:
     index: int
     device: str
     process: mp.process.BaseProcess | None = None
-    conn: object = None
-    fd: int = -1  # conn's descriptor (non-blocking)
+    conn: "pipes.Channel | None" = None  # its replies come on conn (fileno), its messages go to conn.writer
+    fd: int = -1  # conn.writer's descriptor (non-blocking)
     incarnation: int = 0
     files: str = ""  # the prefix of its result files (see lending)
     unloaded: int = 0  # its replies read and not yet loaded: their files must stay until they are

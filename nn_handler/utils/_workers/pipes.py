@@ -1,4 +1,4 @@
-"""Framed messages over a worker's pipe, read and written without blocking, with a deadline.
+"""Framed messages over a worker's pipes, read and written without blocking, with a deadline.
 
 A worker that is frozen, dead, or killed half-way through a large message must
 not hold the caller past its timeout, so every read and write here polls the
@@ -21,6 +21,48 @@ import threading
 import time
 
 LATE = object()  # Inbox.receive: the deadline passed in the middle of a reply
+
+
+class Channel:
+    """One side of a worker's two one-way pipes: the messages it reads (``fileno()``, what a poll watches) and
+    the end it writes to (``writer``). Made in pairs by :func:`channel`.
+
+    Two pipes rather than ``multiprocessing.Pipe()``'s socket pair: a read from
+    a socket frees room charged to the socket that wrote, and the kernel then
+    wakes whatever sleeps on that socket, which is the peer blocked reading its
+    next message. That wake-up of an idle core came with every reply the caller
+    read (a 20-byte read took 9.6 us instead of 0.9 on a 2-core VM).
+
+    Example:
+        >>> import multiprocessing as mp
+        >>> caller, worker = channel(mp.get_context("spawn"))
+        >>> worker.send_bytes(b"ready"); caller.recv_bytes()
+        b'ready'
+        >>> caller.close(); worker.close()
+    """
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    def fileno(self) -> int:
+        return self.reader.fileno()
+
+    def send_bytes(self, data: bytes) -> None:
+        self.writer.send_bytes(data)
+
+    def recv_bytes(self) -> bytes:
+        return self.reader.recv_bytes()
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+def channel(ctx) -> tuple[Channel, Channel]:
+    """``(caller's side, worker's side)`` of a new pair of one-way pipes (``ctx``: a multiprocessing context)."""
+    to_worker, to_worker_end = ctx.Pipe(duplex=False)  # (read end, write end)
+    from_worker, from_worker_end = ctx.Pipe(duplex=False)
+    return Channel(from_worker, to_worker_end), Channel(to_worker, from_worker_end)
 
 
 def _poller(fd: int, events: int, process):

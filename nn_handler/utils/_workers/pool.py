@@ -20,7 +20,7 @@ The engine's work is done by the caller waiting on ``run()`` or on a task's
 pool's engine thread (callbacks, asyncio, ``as_completed``). Every task carries its caller's future, so callers in many
 threads share the workers and one caller's failure or timeout touches only
 its own tasks.
-One duplex pipe per worker (no queue shared by all): a dead worker can only
+One pair of pipes per worker (no queue shared by all): a dead worker can only
 break its own pipe. Death is seen on the process sentinel, never by waiting on
 a pipe a dead worker will not write to. The engine owns the running tasks;
 the pool lock guards the slots and the queue, and the engine lets go of it
@@ -198,7 +198,7 @@ class WorkerPool(Scheduler):
 
     def _start_worker(self, ctx, slot: _Slot) -> None:
         slot.incarnation += 1
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        parent_conn, child_conn = pipes.channel(ctx)
         reads, started = ctx.RawValue("Q", 0), ctx.RawValue("d", 0.0)  # see _Slot.reads, _Slot.started
         prefix = _transport.shm_prefix(f"{self._token}-w{slot.index}.{slot.incarnation}")
         # Not daemonic, so that a function may start its own executor in a
@@ -228,9 +228,10 @@ class WorkerPool(Scheduler):
                 # made with os.fork(), would stop the parent's workers.
                 mp.process._children.discard(process)
             child_conn.close()  # only the child holds its end: EOF once it dies
+            slot.fd = parent_conn.writer.fileno()
             os.set_blocking(parent_conn.fileno(), False)  # see pipes: every read and write polls with a deadline
+            os.set_blocking(slot.fd, False)
             slot.process, slot.conn, slot.files, slot.unloaded = process, parent_conn, prefix or "", 0
-            slot.fd = parent_conn.fileno()
             slot.reads, slot.started, slot.sent = reads, started, 0
             slot.inbox = pipes.Inbox(parent_conn, process)
             self._generation += 1

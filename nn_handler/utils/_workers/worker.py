@@ -206,7 +206,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     functions = _transport.FunctionCache()  # bodies of functions sent before; the pool keeps a twin
     cached_call, cached_fn = None, None
     mapped: list = []  # weak references to the tensors cached_fn mapped from its call's files
-    inbox, fd = pipes.Inbox(conn), conn.fileno()
+    inbox, fd = pipes.Inbox(conn), conn.writer.fileno()
     while True:
         message = inbox.receive()  # the envelope: plain tuples and bytes, no code of the user's runs
         if message is None:
