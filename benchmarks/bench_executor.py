@@ -19,7 +19,8 @@ and one per worker overlapped, as a broadcast call does; for reference also
 over two one-way pipes per process, as the workers are connected), a bare ``pickle``
 round trip of the same payload, a one-process ``clone()`` of the result tensor
 and the caller's own loop over the map's items; and every target as a ratio
-to them (a ratio <= 1 meets a "<=" target, >= 1 a ">=" one).
+to them (a ratio <= 1 meets a "<=" target, >= 1 a ">=" one). The round trips of the
+floors and of every pool are timed side by side, in ten alternating rounds.
 
 ``--scaling`` maps a light workload (a small tensor op) and a heavy one
 (about 0.5 ms of Python compute per item) at 1, 2, 4, ... workers up to the
@@ -147,25 +148,44 @@ def make_peers(workers=2):
 
 
 def warm_latency(peer, n):
+    """Seconds of each of ``n`` warm broadcast calls (one task per worker)."""
     fn = noop_dev if isinstance(peer, Ours) else noop
     times = []
     for _ in range(n):
         t = time.perf_counter()
         peer.broadcast(fn, 1)
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6, _percentile(times, 0.99) * 1e6
+    return times
 
 
 def submit_latency(peer, n):
+    """Seconds of each of ``n`` warm ``submit(...).result()`` round trips."""
     fn = noop_dev if isinstance(peer, Ours) else noop
     if not hasattr(peer.ex, "submit"):  # an nn_handler from before it had one
-        return float("nan")
+        return [float("nan")]
     times = []
     for _ in range(n):
         t = time.perf_counter()
         peer.ex.submit(fn, 1).result()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return times
+
+
+def _round_medians(times, rounds=10):
+    """The median of each round's share of ``times`` (as :func:`side_by_side` took them)."""
+    k = len(times) // rounds
+    return [statistics.median(times[i * k:(i + 1) * k]) for i in range(rounds)]
+
+
+def side_by_side(measures: dict, n: int, rounds: int = 10) -> dict:
+    """Every measure's times (``measure(k)`` times ``k`` calls), taken in ``rounds`` alternating rounds of
+    ``n // rounds`` calls each: a machine that changes pace during the run (on a VM the floor itself moved
+    between 30 and 60 us from one block of calls to the next) changes it for all alike."""
+    times = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            times[name] += measure(max(1, n // rounds))
+    return times
 
 
 def map_throughput(peer, n_items=4000, chunksize=64, rounds=3):
@@ -270,43 +290,63 @@ def _echo(conn, out=None):
         out.send_bytes(data)
 
 
-def pipe_round_trip(n, processes=1, one_way=False):
-    """Median seconds of a round trip of ``PAYLOAD`` to each of ``processes`` warm echo processes, overlapped.
+class EchoProcesses:
+    """``processes`` warm echo processes: the floor of a round trip of ``PAYLOAD`` to each, overlapped.
 
     Over ``multiprocessing.Pipe()`` (a socket pair), or with ``one_way`` over two
     one-way pipes per process, as the executor's workers are connected."""
-    ctx = mp.get_context("spawn")
-    ends, children = [], []
-    for _ in range(processes):
-        if one_way:
-            their_in, to_them = ctx.Pipe(duplex=False)
-            from_them, their_out = ctx.Pipe(duplex=False)
-            theirs, mine = (their_in, their_out), (from_them, to_them)
-        else:
-            end, their_end = ctx.Pipe()
-            theirs, mine = (their_end,), (end, end)
-        child = ctx.Process(target=_echo, args=theirs, daemon=True)
-        child.start()
-        for conn in theirs:
-            conn.close()
-        ends.append(mine)
-        children.append(child)
-    try:
+
+    def __init__(self, processes=1, one_way=False):
+        ctx = mp.get_context("spawn")
+        self.ends, self.children = [], []
+        for _ in range(processes):
+            if one_way:
+                their_in, to_them = ctx.Pipe(duplex=False)
+                from_them, their_out = ctx.Pipe(duplex=False)
+                theirs, mine = (their_in, their_out), (from_them, to_them)
+            else:
+                end, their_end = ctx.Pipe()
+                theirs, mine = (their_end,), (end, end)
+            child = ctx.Process(target=_echo, args=theirs, daemon=True)
+            child.start()
+            for conn in theirs:
+                conn.close()
+            self.ends.append(mine)
+            self.children.append(child)
+        self.round_trips(200)  # warm both sides up
+
+    def round_trips(self, n):
+        """Seconds of each of ``n`` round trips."""
         times = []
-        for i in range(n + 200):  # the first 200 warm both sides up
+        for _ in range(n):
             t = time.perf_counter()
-            for _, end in ends:
+            for _, end in self.ends:
                 end.send_bytes(PAYLOAD)
-            for end, _ in ends:
+            for end, _ in self.ends:
                 end.recv_bytes()
-            if i >= 200:
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    finally:
-        for pair in ends:
+            times.append(time.perf_counter() - t)
+        return times
+
+    def pinned_round_trips(self, n, same_core):
+        """Seconds of each of ``n`` round trips with this process and the echo pinned to one core or to two
+        (``None`` where the machine cannot pin, or has one core). The unpinned floor lands in either."""
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+        if len(cores) < 2 or len(self.children) != 1:
+            return None
+        mine = set(cores)
+        try:
+            os.sched_setaffinity(0, {cores[0]})
+            os.sched_setaffinity(self.children[0].pid, {cores[0] if same_core else cores[1]})
+            return self.round_trips(n)
+        finally:
+            os.sched_setaffinity(0, mine)
+            os.sched_setaffinity(self.children[0].pid, mine)
+
+    def close(self):
+        for pair in self.ends:
             for end in set(pair):
                 end.close()
-        for child in children:
+        for child in self.children:
             child.join(10)
             if child.is_alive():
                 child.kill()
@@ -503,20 +543,31 @@ def main(argv=None):
     n_lat, reps = (300, 3) if args.quick else (2000, 7)
     workers = args.workers
 
-    # The floor first, while nothing else of ours runs.
-    pipe_one = pipe_round_trip(n_lat)
-    pipe_all = pipe_round_trip(n_lat, workers)
-    pipe_all_one_way = pipe_round_trip(n_lat, workers, one_way=True)
     pickled = pickle_round_trip()
     own_loop = own_loop_rate()
 
+    floors = {"pipe one": EchoProcesses(1), "pipe all": EchoProcesses(workers),
+              "pipe all one-way": EchoProcesses(workers, one_way=True)}
     peers = make_peers(workers)
     rows = {p.name: {} for p in peers}
     try:
+        # Latency: the floors and every pool side by side, in alternating rounds.
+        measures = {name: echo.round_trips for name, echo in floors.items()}
         for p in peers:
-            rows[p.name]["run median (us)"], rows[p.name]["run p99 (us)"] = warm_latency(p, n_lat)
+            measures[p.name, "run"] = lambda k, p=p: warm_latency(p, k)
+            measures[p.name, "submit"] = lambda k, p=p: submit_latency(p, k)
+        times = side_by_side(measures, n_lat)
+        pinned = {same: floors["pipe one"].pinned_round_trips(n_lat // 4, same) for same in (True, False)}
+        for name in list(floors):
+            floors[name].close()
+            floors[name] = statistics.median(times[name])
+        pipe_one, pipe_all, pipe_all_one_way = floors["pipe one"], floors["pipe all"], floors["pipe all one-way"]
+        run_ratios = [ours_t / (floor_t + 2 * pickled) for ours_t, floor_t in zip(_round_medians(times["nn_handler", "run"]),
+                                                                  _round_medians(times["pipe all"]))]
         for p in peers:
-            rows[p.name]["submit().result() (us)"] = submit_latency(p, n_lat)
+            rows[p.name]["run median (us)"] = statistics.median(times[p.name, "run"]) * 1e6
+            rows[p.name]["run p99 (us)"] = _percentile(times[p.name, "run"], 0.99) * 1e6
+            rows[p.name]["submit().result() (us)"] = statistics.median(times[p.name, "submit"]) * 1e6
         # Results before the maps: after ProcessPoolExecutor's map of tensors (torch's fd-passing reducers
         # in this process) our 64 MiB results came in at a third of their speed for the rest of the run.
         for p in peers:
@@ -528,6 +579,9 @@ def main(argv=None):
     finally:
         for p in peers:
             p.close()
+        for echo in floors.values():
+            if isinstance(echo, EchoProcesses):
+                echo.close()
     clone = clone_throughput(reps)
     cold = cold_starts({"ours": COLD_OURS, "spawn": COLD_SPAWN, "import": COLD_IMPORT}, reps)
     cold_ours, cold_spawn, cold_import = cold["ours"], cold["spawn"], cold["import"]
@@ -545,8 +599,11 @@ def main(argv=None):
     floor_one = pipe_one + 2 * pickled
     floor_all = pipe_all + 2 * pickled
     map_target = min(100e3, 0.5 * own_loop)
-    print("\nfloor, measured in this run:")
+    print("\nfloor, measured in this run (latencies: in alternating rounds with the pools' calls):")
     print(f"  pipe round trip, {len(PAYLOAD)} bytes, 1 process      {pipe_one * 1e6:8.1f} us")
+    if pinned[True] is not None:
+        print(f"    the same pinned to one core / two cores {statistics.median(pinned[True]) * 1e6:6.1f} / "
+              f"{statistics.median(pinned[False]) * 1e6:.1f} us  (unpinned, it lands in either)")
     print(f"  pipe round trip, {workers} processes overlapped   {pipe_all * 1e6:8.1f} us")
     print(f"    the same over two one-way pipes each    {pipe_all_one_way * 1e6:8.1f} us  (as our workers are connected)")
     print(f"  pickle round trip of the payload          {pickled * 1e6:8.2f} us")
@@ -571,6 +628,7 @@ def main(argv=None):
     for label, value, target, ok in checks:
         print(f"  {label:46} {value:6.2f}  [{target}]  {'holds' if ok else 'MISSED'}")
     print(f"  {len([c for c in checks if c[3]])} of {len(checks)} targets hold")
+    print(f"  (run ratio round by round: {' '.join(f'{r:.2f}' for r in run_ratios)})")
     print(f"  (run median / one-way-pipe round trip: {ours['run median (us)'] / ((pipe_all_one_way + 2 * pickled) * 1e6):.2f};"
           f" not a target, the floor of the transport our workers use)")
     ppe = rows["ProcessPool"]
