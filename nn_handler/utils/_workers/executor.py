@@ -129,15 +129,16 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
-    position = _device_position(func, pass_device)
     if encoder is None:
-        return _pack(func, position, _name(func), None)
-    packed = _packed.get(func, position)
+        return _pack(func, _device_position(func, pass_device), _name(func), None)
+    # Kept per pass_device: the position follows from the function's code and
+    # attributes, which the memo checks are the same objects as when it was packed.
+    packed = _packed.get(func, pass_device)
     if packed is None:
-        packed = _pack(func, position, _name(func), encoder)
+        packed = _pack(func, _device_position(func, pass_device), _name(func), encoder)
         if not packed.files and _packed.unchanging(func):  # (one holding a large tensor never is)
             packed = dataclasses.replace(packed, unchanging=True)  # workers may copy the one they loaded before
-            _packed.put(func, position, packed)
+            _packed.put(func, pass_device, packed)
     return packed
 
 

@@ -58,10 +58,12 @@ class FunctionMemo:
     def __init__(self):
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def get(self, fn, position):
-        """The value kept for ``(fn, position)`` if ``fn`` still refers to the objects it was pickled from, else ``None``."""
+    def get(self, fn, key):
+        """The value kept for ``(fn, key)`` if ``fn`` still refers to the objects it was pickled from, else ``None``.
+
+        ``key``: whatever else the value was made from (the executor's ``pass_device``)."""
         entry = self._entries.get(fn) if type(fn) is types.FunctionType else None
-        if entry is None or entry.position != position or entry.modules != len(sys.modules):
+        if entry is None or entry.key != key or entry.modules != len(sys.modules):
             return None  # modules: one imported since may have to go along with the function
         inputs = _inputs(fn, entry.names)
         if len(inputs) != len(entry.inputs) or not all(map(operator.is_, inputs, entry.inputs)):
@@ -74,16 +76,16 @@ class FunctionMemo:
         # Not a bound method (a new object per access) nor a partial (mutable state).
         return type(fn) is types.FunctionType and all(map(_unchanging, _inputs(fn, _global_names(fn.__code__))))
 
-    def put(self, fn, position, value) -> None:
-        """Keep ``value`` (the pickle of ``(fn, position)``) if ``fn`` is :meth:`unchanging`."""
+    def put(self, fn, key, value) -> None:
+        """Keep ``value`` (the pickle of ``fn``, made with ``key``) if ``fn`` is :meth:`unchanging`."""
         if not self.unchanging(fn):
             return
         names = _global_names(fn.__code__)
-        self._entries[fn] = _Entry(position, len(sys.modules), names, _inputs(fn, names), value)
+        self._entries[fn] = _Entry(key, len(sys.modules), names, _inputs(fn, names), value)
 
 
 class _Entry(NamedTuple):
-    position: int | None
+    key: object
     modules: int  # len(sys.modules) when it was pickled
     names: tuple[str, ...]
     inputs: list

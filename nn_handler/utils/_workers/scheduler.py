@@ -363,11 +363,15 @@ class Scheduler:
     def _take(self, slot: _Slot) -> _Task | None:
         """Pop the first queued task that ``slot`` may run, skipping those of calls cancelled or failed."""
         while True:
-            pos = next((i for i, t in enumerate(self._queue) if t.target is None or t.target == slot.index), None)
-            if pos is None:
-                return None
-            task = self._queue[pos]
-            del self._queue[pos]
+            head = self._queue[0] if self._queue else None
+            if head is not None and (head.target is None or head.target == slot.index):
+                task = self._queue.popleft()  # the common case, without a search
+            else:
+                pos = next((i for i, t in enumerate(self._queue) if t.target is None or t.target == slot.index), None)
+                if pos is None:
+                    return None
+                task = self._queue[pos]
+                del self._queue[pos]
             call = task.call
             if call.done:
                 continue  # its call failed already
@@ -394,16 +398,18 @@ class Scheduler:
                 raise
             self._finish(call, exc)
             return
-        slot.task, slot.handed = task, time.monotonic()
-        slot.deadline = None if call.timeout is None else slot.handed + call.timeout
+        handed = time.monotonic()
+        deadline = None if call.timeout is None else handed + call.timeout
         fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
-        slot.has_fn_for = call.fn_id
         # What it may write again, once every reply it sent has been loaded (see lending.settle).
         files = lending.settle(slot.files) if not slot.unloaded else ((), ())
-        message = pickle.dumps((call.fn_id, call.kind, fn_part, payload, files))
+        unread = pipes.send(slot.fd, slot.process, pickle.dumps((call.fn_id, call.kind, fn_part, payload, files)),
+                            deadline)
+        # The rest after the write, while the worker wakes (nobody reads it before the pool lock is let go).
+        slot.task, slot.handed, slot.deadline, slot.unread = task, handed, deadline, unread
+        slot.has_fn_for = call.fn_id
         slot.sent += 1
         slot.task_message = slot.sent
-        slot.unread = pipes.send(slot.fd, slot.process, message, slot.deadline)
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
             slot.sent += 1

@@ -127,10 +127,21 @@ def plain(obj, depth: int = 0) -> bool:
         return True
     if depth >= 2:
         return False
+    # Loops rather than all(<generator>): this runs on every call's arguments and result.
     if kind is tuple or kind is list:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(plain(v, depth + 1) for v in obj)
+        if len(obj) > _PLAIN_MAX_ITEMS:
+            return False
+        for v in obj:
+            if type(v) not in _PLAIN_ATOMS and not plain(v, depth + 1):
+                return False
+        return True
     if kind is dict:
-        return len(obj) <= _PLAIN_MAX_ITEMS and all(type(k) is str and plain(v, depth + 1) for k, v in obj.items())
+        if len(obj) > _PLAIN_MAX_ITEMS:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or (type(v) not in _PLAIN_ATOMS and not plain(v, depth + 1)):
+                return False
+        return True
     return False
 
 
