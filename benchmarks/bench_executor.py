@@ -631,6 +631,10 @@ def main(argv=None):
     print(f"  (run ratio round by round: {' '.join(f'{r:.2f}' for r in run_ratios)})")
     print(f"  (run median / one-way-pipe round trip: {ours['run median (us)'] / ((pipe_all_one_way + 2 * pickled) * 1e6):.2f};"
           f" not a target, the floor of the transport our workers use)")
+    if pinned[False] is not None:
+        across = statistics.median(pinned[False]) + 2 * pickled
+        print(f"  (submit().result() / the round trip pinned to two cores: {ours['submit().result() (us)'] / (across * 1e6):.2f};"
+              f" not a target: a worker on a core of its own, as a pool's are)")
     ppe = rows["ProcessPool"]
     print("\nagainst the peers (for reference):")
     if "loky" in rows:
