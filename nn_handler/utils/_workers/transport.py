@@ -112,7 +112,6 @@ _memory_view.restype = ctypes.py_object
 _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PyBUF_READ = 0x100
 
-
 # Pickled alike by the C pickler and by ours, which costs 2 µs just to set up:
 # the common small results and arguments (a number, a short tuple of them) skip it.
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -125,24 +124,16 @@ def plain(obj, depth: int = 0) -> bool:
     kind = type(obj)
     if kind in _PLAIN_ATOMS:
         return True
-    if depth >= 2:
+    if kind is dict and all(type(k) is str for k in obj):
+        obj = obj.values()
+    elif kind is not tuple and kind is not list:
         return False
-    # Loops rather than all(<generator>): this runs on every call's arguments and result.
-    if kind is tuple or kind is list:
-        if len(obj) > _PLAIN_MAX_ITEMS:
+    if depth >= 2 or len(obj) > _PLAIN_MAX_ITEMS:
+        return False
+    for v in obj:  # a loop, not all(<generator>): this runs on every call's arguments and result
+        if type(v) not in _PLAIN_ATOMS and not plain(v, depth + 1):
             return False
-        for v in obj:
-            if type(v) not in _PLAIN_ATOMS and not plain(v, depth + 1):
-                return False
-        return True
-    if kind is dict:
-        if len(obj) > _PLAIN_MAX_ITEMS:
-            return False
-        for k, v in obj.items():
-            if type(k) is not str or (type(v) not in _PLAIN_ATOMS and not plain(v, depth + 1)):
-                return False
-        return True
-    return False
+    return True
 
 
 class _Pickler(Pickler):
