@@ -144,14 +144,10 @@ class CallFuture(Future):
             self._waiters = _CallingIn(pool)  # concurrent.futures.wait and as_completed put their waiter here
 
     def result(self, timeout=None):
-        until = None if timeout is None else time.monotonic() + timeout
-        self._drive(until)
-        return super().result(None if until is None else max(0.0, until - time.monotonic()))
+        return super().result(self._drive_within(timeout))
 
     def exception(self, timeout=None):
-        until = None if timeout is None else time.monotonic() + timeout
-        self._drive(until)
-        return super().exception(None if until is None else max(0.0, until - time.monotonic()))
+        return super().exception(self._drive_within(timeout))
 
     def done(self) -> bool:
         if self._pool is not None and self._pool._deferred and not super().done():
@@ -166,6 +162,12 @@ class CallFuture(Future):
         super().add_done_callback(fn)
         if self._pool is not None:
             self._pool.call_engine_in()  # it must run even if nobody waits
+
+    def _drive_within(self, timeout: float | None) -> float | None:
+        """Drive for at most ``timeout`` seconds; what is left of it for the base class's wait."""
+        until = None if timeout is None else time.monotonic() + timeout
+        self._drive(until)
+        return None if until is None else max(0.0, until - time.monotonic())
 
     def _drive(self, until: float | None) -> None:
         if self._pool is not None and not super().done():

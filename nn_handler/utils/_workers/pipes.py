@@ -36,7 +36,7 @@ class Channel:
     Example:
         >>> import multiprocessing as mp
         >>> caller, worker = channel(mp.get_context("spawn"))
-        >>> worker.send_bytes(b"ready"); caller.recv_bytes()
+        >>> worker.send_bytes(b"ready"); caller.reader.recv_bytes()
         b'ready'
         >>> caller.close(); worker.close()
     """
@@ -49,9 +49,6 @@ class Channel:
 
     def send_bytes(self, data: bytes) -> None:
         self.writer.send_bytes(data)
-
-    def recv_bytes(self) -> bytes:
-        return self.reader.recv_bytes()
 
     def close(self) -> None:
         self.reader.close()
