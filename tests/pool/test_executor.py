@@ -210,6 +210,24 @@ def test_notebook_style_function_defined_in_main():
     assert "RESULT [3, 6] None [2, 3]" in result.stdout
 
 
+def _cpu_seconds(device=None):
+    return time.process_time()
+
+
+def test_an_idle_pool_stops_polling_once_the_calls_stop(pool):
+    """After a reply, the workers and the waiting caller poll their pipes for a moment instead of
+    sleeping at once (a loop of warm calls then wakes no sleeping process); once the calls stop, every
+    one of them sleeps: half a second idle costs a fraction of the CPU time a poll left on would."""
+    for _ in range(300):
+        pool.submit(_cpu_seconds).result()
+        pool.run(_cpu_seconds)
+    workers, caller = pool.run(_cpu_seconds), time.process_time()
+    time.sleep(0.5)
+    workers_after, caller_after = pool.run(_cpu_seconds), time.process_time()
+    assert caller_after - caller < 0.1
+    assert all(after - before < 0.1 for before, after in zip(workers, workers_after)), (workers, workers_after)
+
+
 # ----------------------------------------------------------------------------- failures
 class _CustomInitError(Exception):
     def __init__(self, code, detail):

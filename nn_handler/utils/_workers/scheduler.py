@@ -307,6 +307,7 @@ class Scheduler:
             began = time.perf_counter()
             if self._spinning:
                 while not ready and time.perf_counter() < began + _SPIN:
+                    os.sched_yield()  # a worker on this core runs its task now, not after the spin
                     ready = self._poller.poll(0)
             if not ready:
                 ready = self._poller.poll(None if timeout is None else int(timeout * 1000) + 1)
