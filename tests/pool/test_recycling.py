@@ -101,6 +101,27 @@ def test_worker_memory_limit_does_not_count_a_result_already_sent():
         assert ex.submit(_count).result(timeout=60)[0] == pid  # the worker holds nothing above the limit: kept
 
 
+def _results(megabytes, count):
+    import torch
+
+    return os.getpid(), [torch.full((megabytes << 18,), float(k)) for k in range(count)]
+
+
+def test_worker_memory_limit_does_not_count_the_result_files_it_writes_again():
+    """A worker writes a result into the file of one the caller dropped, through a mapping it keeps: memory
+    the caller maps too, not memory the worker grew by (192 MiB of such files here, against a 128 MiB margin)."""
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (128 << 20)) as ex:
+        pids = []
+        for _ in range(4):
+            pid, results = ex.submit(_results, 64, 3).result(timeout=60)
+            assert [(float(t[0]), float(t[-1])) for t in results] == [(0.0, 0.0), (1.0, 1.0), (2.0, 2.0)]
+            pids.append(pid)
+            del results
+        assert len(set(pids)) == 1, "the worker was replaced for memory it shares with its caller"
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"max_tasks_per_worker": 0}, "max_tasks_per_worker must be an int >= 1 or None, got 0"),
     ({"worker_memory_limit": -5}, "worker_memory_limit must be an int >= 1 or None, got -5"),

@@ -144,6 +144,43 @@ def test_results_on_other_devices_take_the_usual_path(tmp_path, monkeypatch):
     lending.forget(encoder.prefix)
 
 
+def test_a_cpu_result_goes_into_a_spare_through_a_mapping_the_worker_keeps(tmp_path, monkeypatch):
+    """Only device results are page-locked; a CPU result written into a file given back is copied into a
+    mapping the worker keeps (not written with pwrite), and every value arrives, whatever the layout."""
+    host = FakeHost(devices=("cuda",))
+    monkeypatch.setattr(lending, "HOST_MEMORY", host)
+    encoder = transport.Encoder(f"{tmp_path}/nnh-{os.getpid()}-w2.1-", to_cpu=True, lend=True)
+    got, created = _round_trip(encoder, torch.zeros(MiB))  # a new file: written with pwrite, mapped by the caller only
+    assert len(created) == 1 and _mapped_files(encoder.prefix) == 1
+    del got
+    gc.collect()
+    sources = [torch.arange(MiB, dtype=torch.float32), torch.arange(MiB, dtype=torch.float32).view(1024, 1024).t(),
+               torch.full((MiB // 2,), -3.0, dtype=torch.float64), torch.ones(MiB, dtype=torch.int32) * 7]
+    for source in sources:  # the same file each time: 4 MiB, contiguous or not, of any dtype
+        got, created = _round_trip(encoder, source)
+        assert torch.equal(got, source) and got.dtype == source.dtype and created == []
+        assert _mapped_files(encoder.prefix) == 2  # the worker's mapping and the caller's
+        del got
+        gc.collect()
+    assert host.registrations == 0 and host.syncs == 0
+    lending.forget(encoder.prefix)
+    for key in list(encoder.lent._files):
+        encoder.lent._drop(key)
+    assert _mapped_files(encoder.prefix) == 0
+
+
+def test_a_page_locked_file_given_to_a_cpu_result_waits_on_no_stream(worker):
+    encoder, host = worker
+    got, _ = _round_trip(encoder, torch.ones(MiB))  # "from a device": mapped and page-locked
+    del got
+    gc.collect()
+    host.devices = frozenset({"cuda"})  # the next result of that size is a CPU one: same file, same mapping
+    got, created = _round_trip(encoder, torch.full((MiB,), 2.0))
+    assert float(got.min()) == float(got.max()) == 2.0 and created == []
+    assert host.registrations == 1 and host.syncs == 1  # no stream of the CPU's to wait on
+    del got
+
+
 def test_a_file_that_cannot_be_page_locked_is_still_written(worker, monkeypatch):
     encoder, host = worker
     host.fail = True

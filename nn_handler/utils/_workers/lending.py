@@ -19,7 +19,10 @@ maps the file and page-locks the mapping at its first write
 (:class:`CudaHostMemory`), keeps both while it holds the file, and copies
 into it without blocking, then waits on the stream; no pageable copy on the
 way (a copy into page-locked memory runs at the link's speed, a pageable one
-at a small part of it).
+at a small part of it). A CPU result written into a file given back goes
+through a mapping the worker keeps too (not page-locked): a plain copy into
+memory mapped already, where ``write()`` walks the file page by page (64 MiB:
+9 ms against 14 ms on a VM).
 
 Example (a worker's side):
     >>> import tempfile
@@ -166,8 +169,9 @@ _register_warned = False
 class WorkerFiles:
     """A worker's result files: each open, lent to the caller or given back as a spare.
 
-    A file written from a device stays mapped and page-locked here from its
-    first such write until it is dropped (:meth:`write_direct`).
+    A file written from a device, or from the CPU into a spare, stays mapped
+    here (page-locked for a device) from that write until it is dropped
+    (:meth:`write_direct`).
     """
 
     # More than the caller tracks: a file it never heard of (a reply it did not load) is closed in time.
@@ -206,18 +210,19 @@ class WorkerFiles:
         return tensor.device.type in self.host.devices
 
     def write_direct(self, key: str, fd: int, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` from its device into the file ``key`` (open on ``fd``), whose size is ``tensor.nbytes``.
+        """Copy ``tensor`` into the file ``key`` (open on ``fd``), whose size is ``tensor.nbytes``.
 
-        The file is mapped and page-locked at its first write and stays so
-        while this worker holds it; the copy runs without blocking, and this
-        waits for it on the stream.
+        The file is mapped at its first write (and page-locked, for a device
+        that copies directly) and stays so while this worker holds it; a
+        device's copy runs without blocking, and this waits for it on the stream.
         """
+        device = self.copies_directly(tensor)
         host = self._mapped.get(key)
         if host is None:
-            host = self._map(key, fd, tensor.nbytes)
+            host = self._map(key, fd, tensor.nbytes, pin=device)
         source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        host[0].copy_(source, non_blocking=host[1])
-        if host[1]:
+        host[0].copy_(source, non_blocking=host[1] and device)
+        if host[1] and device:
             self.host.synchronize(source)
 
     def abandon(self, key: str, fd: int) -> None:
@@ -226,15 +231,16 @@ class WorkerFiles:
         self._drop(key)
         os.close(fd)
 
-    def _map(self, key: str, fd: int, nbytes: int) -> tuple[torch.Tensor, bool]:
+    def _map(self, key: str, fd: int, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         global _register_warned
         # The memory now, or ENOSPC now (the caller then spills to a file
         # elsewhere); a write through a mapping of a full tmpfs is a SIGBUS.
         os.posix_fallocate(fd, 0, nbytes)
         storage = torch.UntypedStorage.from_file(fd_path(fd), shared=True, nbytes=nbytes)
         try:
-            self.host.register(storage.data_ptr(), nbytes)
-            locked = True
+            if pin:
+                self.host.register(storage.data_ptr(), nbytes)
+            locked = pin
         except RuntimeError as exc:  # still correct through pageable memory, at a fraction of the speed
             locked = False
             if not _register_warned:

@@ -199,8 +199,8 @@ class _Pickler(Pickler):
             self.created.append(path)
         self.written.append((path, fd, t.nbytes))
         try:
-            if self._direct(t):
-                self._lent.write_direct(path, fd, t)  # through a page-locked mapping it keeps
+            if self._direct(t) or (taken is not None and t.is_cpu):  # a device's, or a spare's memory exists
+                self._lent.write_direct(path, fd, t)  # through a mapping it keeps (page-locked for a device)
                 return path
             # write() fills tmpfs at memcpy speed; copying through a fresh
             # mapping page-faults every 4 KiB and runs at about half of it.

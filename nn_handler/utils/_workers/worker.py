@@ -289,14 +289,17 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
 
 
 def memory_in_use(device) -> int:
-    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU, the resident set on the CPU."""
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU, on the CPU the resident set
+    less its shared pages (the result files it writes again through mappings it keeps, which the caller
+    maps too, and the libraries')."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            resident, shared = f.read().split()[1:3]
+        return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
         import resource
 
