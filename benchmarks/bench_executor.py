@@ -601,9 +601,10 @@ def main(argv=None):
             rows[p.name]["submit().result() (us)"] = statistics.median(times[p.name, "submit"]) * 1e6
         # Results before the maps: after ProcessPoolExecutor's map of tensors (torch's fd-passing reducers
         # in this process) our 64 MiB results came in at a third of their speed for the rest of the run.
-        # Ours in alternating rounds with the floor, a one-process clone: on a VM the clone's speed moved
-        # between 2.2 and 4.7 GB/s with what this process had done before (after ProcessPoolExecutor's map
-        # of tensors, half), so a clone timed apart from ours could flatter it, or wrong it.
+        # Ours in alternating rounds with the floor, a one-process clone (on one thread, as set above): on a
+        # VM a clone's speed moved with what the process had done before (with torch's default threads,
+        # 4.2-4.7 GB/s, and 2.2 right after ProcessPoolExecutor's map of tensors), so a clone timed apart
+        # from ours could flatter it, or wrong it.
         ours_rounds, clone_rounds = [], []
         for _ in range(reps):
             ours_rounds.append(result_throughput(peers[0], 3))
