@@ -605,10 +605,9 @@ def main(argv=None):
         # VM a clone's speed moved with what the process had done before (with torch's default threads,
         # 4.2-4.7 GB/s, and 2.2 right after ProcessPoolExecutor's map of tensors), so a clone timed apart
         # from ours could flatter it, or wrong it.
-        ours_rounds, clone_rounds = [], []
-        for _ in range(reps):
-            ours_rounds.append(result_throughput(peers[0], 3))
-            clone_rounds.append(clone_throughput(3))
+        rates = side_by_side({"ours": lambda k: [result_throughput(peers[0], 3)],
+                              "clone": lambda k: [clone_throughput(3)]}, n=reps, rounds=reps)
+        ours_rounds, clone_rounds = rates["ours"], rates["clone"]  # one median rate per round
         rows[peers[0].name]["64 MiB results (GB/s)"] = statistics.median(ours_rounds)
         clone = statistics.median(clone_rounds)
         for p in peers[1:]:

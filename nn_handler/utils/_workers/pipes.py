@@ -21,6 +21,19 @@ import threading
 import time
 
 LATE = object()  # Inbox.receive: the deadline passed in the middle of a reply
+# How long the caller waiting for a reply, or a worker for its next task, polls its pipes before it sleeps
+# in the kernel: a message within it costs no wake-up of a sleeping process (on a VM 20-30 us each way, as
+# much as the rest of a warm call). Each side spins only while its messages come quickly (see the
+# scheduler and the worker), so a wait behind long tasks, or an idle pool, costs no core.
+SPIN = 50e-6
+
+
+def spin(poller) -> list:
+    """What ``poller`` finds ready within :data:`SPIN`, polled without sleeping; ``[]`` if nothing came."""
+    end = time.perf_counter() + SPIN
+    while not (ready := poller.poll(0)) and time.perf_counter() < end:
+        os.sched_yield()  # another process on this core (a worker, the caller) runs now, not after the spin
+    return ready
 
 
 class Channel:

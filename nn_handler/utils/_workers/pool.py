@@ -158,7 +158,7 @@ class WorkerPool(Scheduler):
         self._driver = threading.RLock()
         self._poller, self._watched, self._polled = None, {}, None  # the driver's: what it polls, as of which generation
         self._polling = False  # the driver waits in poll(): a Ctrl-C there cuts nothing in half
-        self._spinning = True  # the driver polls for a moment before it sleeps (see scheduler._SPIN)
+        self._spinning = True  # the driver polls for a moment before it sleeps (see pipes.spin)
         self._deferred = False  # tasks on workers that nobody drives yet (see Scheduler._enqueue)
         self._replies: list = []  # the driver's: results read, to unpickle once the lock is let go
         self._loading: list = []  # the driver's: batches of results being unpickled (a callback may drive more)

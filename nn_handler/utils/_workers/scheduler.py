@@ -30,14 +30,10 @@ from .worker import describe
 
 # How long a stopping worker gets to leave on its own before it is killed.
 _STOP_GRACE = 2.0
-# How long the driver polls the workers' pipes without sleeping before it waits in the kernel. A reply
-# within it costs no wake-up of an idle core (on a VM, tens of microseconds each way, more than the rest
-# of a warm call); past it the driver sleeps as before.
-_SPIN = 50e-6
-# It spins only after a round whose wait was shorter than this: where tasks take long, a spin per reply
-# only takes a share of a core from the workers (a map of 0.5 ms items on 2 workers and 2 cores ran at
-# 1.91x the in-process rate with a spin every round, 2.01x without).
-_SPIN_AFTER_WAIT = 4 * _SPIN
+# The driver spins (pipes.spin) only after a round whose wait was shorter than this: where tasks take
+# long, a spin per reply only takes a share of a core from the workers (a map of 0.5 ms items on 2 workers
+# and 2 cores ran at 1.91x the in-process rate with a spin every round, 2.01x without).
+_SPIN_AFTER_WAIT = 4 * pipes.SPIN
 
 
 class Scheduler:
@@ -306,9 +302,7 @@ class Scheduler:
         if not ready and (timeout is None or timeout > 0):
             began = time.perf_counter()
             if self._spinning:
-                while not ready and time.perf_counter() < began + _SPIN:
-                    os.sched_yield()  # a worker on this core runs its task now, not after the spin
-                    ready = self._poller.poll(0)
+                ready = pipes.spin(self._poller)
             if not ready:
                 ready = self._poller.poll(None if timeout is None else int(timeout * 1000) + 1)
             self._spinning = time.perf_counter() - began < _SPIN_AFTER_WAIT

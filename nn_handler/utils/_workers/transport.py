@@ -199,7 +199,7 @@ class _Pickler(Pickler):
             self.created.append(path)
         self.written.append((path, fd, t.nbytes))
         try:
-            if self._direct(t) or (taken is not None and t.is_cpu):  # a device's, or a spare's memory exists
+            if taken is not None or self._direct(t):  # a spare's memory exists, or a device's copy needs it
                 self._lent.write_direct(path, fd, t)  # through a mapping it keeps (page-locked for a device)
                 return path
             # write() fills tmpfs at memcpy speed; copying through a fresh

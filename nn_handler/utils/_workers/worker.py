@@ -32,12 +32,6 @@ from ...errors import RankFailure
 from . import pipes
 from . import transport as _transport
 
-# After a reply a worker polls its pipe for a moment before it blocks in read(): a next task sent within
-# it (a caller's loop of warm calls) costs no wake-up of a sleeping worker, 20-30 us on a VM, as much as
-# the rest of a warm call (submit().result() took 51 us without, 27 us with). Only while the last task
-# came within the poll: a worker whose tasks come seldom, or behind a busy caller, sleeps at once.
-_SPIN = 50e-6
-
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
 
@@ -218,12 +212,14 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     pipe.register(conn.fileno(), select.POLLIN)
     spinning = False
     while True:
+        # After a reply, a worker spins before it blocks in read() (see pipes.spin), while its last task came
+        # within the spin: a caller's loop of warm calls then wakes no sleeping worker (submit().result()
+        # took 51 us without, 27 us with); a worker whose tasks come seldom, or behind a busy caller, sleeps.
         waited = time.perf_counter()
         if spinning and not inbox.has_message():
-            while not pipe.poll(0) and time.perf_counter() - waited < _SPIN:
-                os.sched_yield()  # the caller, or another worker, may be waiting for this core
+            pipes.spin(pipe)
         message = inbox.receive()  # the envelope: plain tuples and bytes, no code of the user's runs
-        spinning = time.perf_counter() - waited < _SPIN
+        spinning = time.perf_counter() - waited < pipes.SPIN
         if message is None:
             return  # the pool closed our pipe: shut down
         # Counted before anything of it runs (unpickling the payload may run
