@@ -46,6 +46,7 @@ from ._training.config import Resume, TrainingConfig, check_for_device, config_p
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
+from ._training.schedule import build_scheduler
 from ._training.sharded_checkpoint import load_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
@@ -352,16 +353,7 @@ class NNHandler:
         if scheduler is None:
             self.scheduler = None
             return
-        if isinstance(scheduler, type):
-            if self.optimizer is None:
-                raise ConfigurationError("set an optimizer before building a scheduler from a class")
-            scheduler = scheduler(self.optimizer, **scheduler_kwargs)
-        elif scheduler_kwargs:
-            raise ConfigurationError("scheduler_kwargs only apply when the scheduler is given as a class")
-        if not (hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")):
-            raise TypeError(f"scheduler must be an LR scheduler, got {type(scheduler).__name__}")
-        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
-            raise ConfigurationError("the scheduler was built for another optimizer than this handler's")
+        scheduler = build_scheduler(scheduler, scheduler_kwargs, self.optimizer)
         self.scheduler = scheduler
 
     def add_callback(self, callback: Callback) -> None:
