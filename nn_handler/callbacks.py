@@ -120,7 +120,23 @@ class Callback:
         """After batch ``step``; ``loss`` is this rank's detached loss tensor.
 
         Calling ``loss.item()`` here waits for the GPU on every batch; keep it
-        for debugging.
+        for debugging. With ``grad_accum_steps`` > 1 this runs per micro-batch;
+        the two hooks below run once per optimizer step.
+        """
+
+    def on_before_optimizer_step(self, handler: TrainerView, step: int) -> None:
+        """Before optimizer step ``step`` (the global step it becomes, from 1): the gradients are final.
+
+        Accumulated, all-reduced under DDP (this rank's shards under FSDP),
+        unscaled under fp16 and clipped (``clip_grad_norm``): what the
+        optimizer is about to apply, e.g. for a gradient-norm logger.
+        """
+
+    def on_optimizer_step(self, handler: TrainerView, step: int) -> None:
+        """After optimizer step ``step`` (``handler.global_step == step``), before a per-step scheduler steps.
+
+        The weights are updated and the LR is still the one this step used.
+        A step the fp16 scaler skipped (inf/NaN gradients) counts.
         """
 
     def on_validation_end(self, handler: TrainerView, epoch: int, logs: dict[str, float]) -> None:

@@ -82,9 +82,10 @@ class NNHandler:
             :func:`~nn_handler.resolve_device` accepts.
         use_distributed: ``None`` follows the launch environment, ``False``
             forces a single process, ``True`` asks for DDP (a warning says why not).
-        scheduler: An LR scheduler instance, or a class built with
-            ``scheduler_kwargs``; stepped once per epoch (``ReduceLROnPlateau``
-            gets ``val_loss``, else ``train_loss``).
+        scheduler: An LR scheduler instance, or a class built with ``scheduler_kwargs``; stepped as
+            ``scheduler_interval`` says (``ReduceLROnPlateau`` per epoch, on ``val_loss``, else ``train_loss``).
+        scheduler_interval: ``"epoch"`` (after each epoch), ``"step"`` (after each optimizer step, a step the fp16
+            scaler skipped included) or None: ``"step"`` for ``OneCycleLR`` and ``CyclicLR``, else ``"epoch"``.
         metrics: ``{"name": fn(outputs, targets) -> float}``; recorded as
             ``train_<name>`` and ``val_<name>``, averaged per sample.
         amp: Mixed precision: ``"bf16"``, ``"fp16"`` (with a ``GradScaler``), ``True`` (bf16 where
@@ -204,13 +205,15 @@ class NNHandler:
         fsdp_kwargs: Mapping[str, Any] | None = None,
         compile: bool = False,
         compile_kwargs: Mapping[str, Any] | None = None,
+        scheduler_interval: str | None = None,
     ):
         self.config = TrainingConfig.from_arguments(
             grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, finite_check_every=finite_check_every,
             metrics=metrics, amp=amp, seed=seed, sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs,
             checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
             preemption_check_every=preemption_check_every, strategy=strategy, fsdp_wrap=fsdp_wrap,
-            fsdp_kwargs=fsdp_kwargs, compile=compile, compile_kwargs=compile_kwargs)
+            fsdp_kwargs=fsdp_kwargs, compile=compile, compile_kwargs=compile_kwargs,
+            scheduler_interval=scheduler_interval)
         # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
@@ -275,6 +278,7 @@ class NNHandler:
     overwrite = config_property("overwrite")
     preemption_check_every = config_property("preemption_check_every")
     strategy = config_property("strategy")
+    scheduler_interval = config_property("scheduler_interval")
 
     @property
     def module(self) -> nn.Module:
@@ -353,7 +357,7 @@ class NNHandler:
         if scheduler is None:
             self.scheduler = None
             return
-        scheduler = build_scheduler(scheduler, scheduler_kwargs, self.optimizer)
+        scheduler = build_scheduler(scheduler, scheduler_kwargs, self.optimizer, self.config.scheduler_interval)
         self.scheduler = scheduler
 
     def add_callback(self, callback: Callback) -> None:

@@ -18,6 +18,7 @@ import torch
 from .._checks import check_bool, check_choice, check_int, check_number, invalid
 from ..errors import ConfigurationError
 from .precision import check_amp
+from .schedule import check_interval
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 FSDP_KEYS = ("reshard_after_forward", "cpu_offload")
@@ -56,6 +57,7 @@ class TrainingConfig:
     fsdp_kwargs: Mapping[str, Any] = field(default_factory=dict)
     compile: bool = False
     compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    scheduler_interval: str | None = None  # "epoch", "step", None: by the scheduler's type (schedule.py)
 
     @classmethod
     def from_arguments(
@@ -65,7 +67,7 @@ class TrainingConfig:
         checkpoint_dir: str | os.PathLike | None = None, resume: Resume = None, keep_last: int = 2,
         overwrite: bool = False, preemption_check_every: int | None = None, strategy: str = "auto",
         fsdp_wrap: Any = None, fsdp_kwargs: Mapping[str, Any] | None = None, compile: bool = False,
-        compile_kwargs: Mapping[str, Any] | None = None,
+        compile_kwargs: Mapping[str, Any] | None = None, scheduler_interval: str | None = None,
     ) -> "TrainingConfig":
         """Check every knob (the first mistake raises :class:`~nn_handler.ConfigurationError`) and freeze them."""
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
@@ -92,12 +94,13 @@ class TrainingConfig:
         strategy = "ddp" if check_choice("strategy", strategy, STRATEGIES) == "auto" else strategy
         _check_strategy(strategy, fsdp_wrap, fsdp_kwargs, ddp_kwargs, sync_batchnorm)
         compile_kwargs = _checked_compile(compile, compile_kwargs)
+        check_interval(scheduler_interval)
         return cls(compile=compile, compile_kwargs=compile_kwargs, strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
                    grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
                    finite_check_every=finite_check_every, metrics=metrics, amp=amp, seed=seed,
                    sync_batchnorm=bool(sync_batchnorm), ddp_kwargs=dict(ddp_kwargs or {}), checkpoint_dir=directory,
                    resume=resume, keep_last=keep_last, overwrite=overwrite,
-                   preemption_check_every=preemption_check_every)
+                   preemption_check_every=preemption_check_every, scheduler_interval=scheduler_interval)
 
 
 def _check_strategy(strategy: str, wrap: Any, fsdp_kwargs: Any, ddp_kwargs: Any, sync_batchnorm: bool) -> None:

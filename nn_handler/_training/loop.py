@@ -10,8 +10,9 @@ epoch's sums. The flow of :meth:`Loop.run`::
 
     on_train_begin
     per epoch:   on_epoch_begin -> batches (on_batch_begin, Step.forward/backward,
-                 every k-th: Step.optimizer_step, on_batch_end, the preemption check)
-                 -> validation -> one all-reduce -> History row, scheduler step -> on_epoch_end
+                 every k-th: OptimizerSteps.take (hooks, per-step scheduler), on_batch_end, the
+                 preemption check) -> validation -> one all-reduce -> History row, per-epoch
+                 scheduler step -> on_epoch_end
                  -> agree on stop / preemption -> the epoch's checkpoint (with checkpoint_dir)
     on_train_end
 
@@ -48,6 +49,7 @@ from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, Tr
 from .progress import EpochBar
 from .readout import HostReads
 from .resume import save_run_checkpoint
+from .schedule import OptimizerSteps, step_per_epoch
 from .sharding import can_pause_sync, gradient_sync_paused
 from .state import TrainingState
 from .step import Step
@@ -102,6 +104,7 @@ class Loop:
             log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
             return
         self.state.stop_training = False
+        self.steps = OptimizerSteps(parts, state, self.config.scheduler_interval)  # refuses a bad interval first
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
         try:
@@ -203,7 +206,7 @@ class Loop:
         if partial is None:
             # A part-way epoch leaves the epoch count and the scheduler as they
             # were: the run that continues it steps them when it completes.
-            _step_scheduler(parts.scheduler, row)
+            step_per_epoch(parts.scheduler, self.steps.interval, row)
             state.epoch = epoch
         state.history.append(row)
         if parts.is_main_process:
@@ -285,9 +288,7 @@ class Loop:
                         with watching("backward (DDP's gradient all_reduce)"):
                             step.backward(loss)
                     if boundary:
-                        step.optimizer_step()
-                        state.global_step += 1
-                        note_step(state.global_step)
+                        note_step(self.steps.take(step))
                         micro = 0
                     detached = loss.detach()
                     losses.append(detached)
@@ -315,8 +316,7 @@ class Loop:
                     if stop is not None:
                         break
                 if micro:  # an unsized loader ended inside an accumulation group
-                    step.optimizer_step()
-                    state.global_step += 1
+                    self.steps.take(step)
         finally:
             if bar is not None:
                 bar.close()
@@ -345,15 +345,6 @@ class _StopMidEpoch(Exception):
     def __init__(self, partial: dict[str, Any]):
         super().__init__("preempted mid-epoch")
         self.partial = partial
-
-
-def _step_scheduler(scheduler: Any, row: dict) -> None:
-    if scheduler is None:
-        return
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(row.get("val_loss", row["train_loss"]))
-    else:
-        scheduler.step()
 
 
 # Under torchrun, when one rank fails its peers fail a moment later, in the

@@ -1,19 +1,76 @@
-"""The LR scheduler: how one is built and checked, and when the loop steps it.
+"""The LR scheduler and the optimizer-step hooks: when the loop steps what, around each optimizer step.
+
+``scheduler_interval`` (Lightning's word) says when the scheduler steps:
+``"epoch"`` once per completed epoch, ``"step"`` after every optimizer step
+(after gradient accumulation). ``None`` picks by type: ``OneCycleLR`` and
+``CyclicLR``, per-batch by torch's own docs, step per step; every other
+scheduler per epoch. ``ReduceLROnPlateau`` steps on the epoch's monitored
+value, so it stays per epoch.
+
+Around one optimizer step, :class:`OptimizerSteps` runs::
+
+    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step, scaler update
+    -> global_step = n -> on_optimizer_step(handler, n) -> scheduler step ("step" interval)
+
+A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
+``global_step`` grows and a per-step scheduler steps, as Lightning does (the
+HF Trainer also counts it in ``global_step`` but holds its scheduler back),
+so the LR is a function of ``global_step`` alone and a resume needs nothing more.
 
 Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
-``set_scheduler``).
+``scheduler_interval=``, ``set_scheduler``, the hooks of :class:`~nn_handler.Callback`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
+from torch.optim import lr_scheduler
 
+from .._checks import check_choice
 from ..errors import ConfigurationError
 
+INTERVALS = ("epoch", "step")
+PER_STEP = (lr_scheduler.OneCycleLR, lr_scheduler.CyclicLR)  # per batch by their own docs
 
-def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> Any:
+
+def check_interval(interval: Any) -> str | None:
+    """``scheduler_interval`` checked: ``"epoch"``, ``"step"`` or None.
+
+    Example:
+        >>> check_interval("batch")
+        Traceback (most recent call last):
+        ...
+        nn_handler.errors.ConfigurationError: scheduler_interval must be one of 'epoch', 'step' or None, got 'batch'
+    """
+    return check_choice("scheduler_interval", interval, INTERVALS, allow_none=True)
+
+
+def resolve_interval(scheduler: Any, interval: str | None) -> str | None:
+    """When ``scheduler`` steps: ``"epoch"`` or ``"step"`` (None without a scheduler).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> resolve_interval(lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10), None)
+        'step'
+        >>> resolve_interval(lr_scheduler.StepLR(opt, 1), None), resolve_interval(lr_scheduler.StepLR(opt, 1), "step")
+        ('epoch', 'step')
+    """
+    if scheduler is None:
+        return None
+    if interval is None:
+        return "step" if isinstance(scheduler, PER_STEP) else "epoch"
+    if interval == "step" and isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "scheduler_interval='step' cannot drive ReduceLROnPlateau: it steps on the epoch's val_loss (or "
+            "train_loss), once per epoch; leave scheduler_interval=None (or 'epoch'), or use a per-step scheduler")
+    return interval
+
+
+def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer | None,
+                    interval: str | None = None) -> Any:
     """``scheduler`` as an instance over ``optimizer`` (built from a class with ``kwargs``), checked."""
     if isinstance(scheduler, type):
         if optimizer is None:
@@ -25,4 +82,55 @@ def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.opt
         raise TypeError(f"scheduler must be an LR scheduler, got {type(scheduler).__name__}")
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ConfigurationError("the scheduler was built for another optimizer than this handler's")
+    resolve_interval(scheduler, interval)  # refuse ReduceLROnPlateau per step now, not at train()
     return scheduler
+
+
+def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) -> None:
+    """The scheduler's step at the end of a completed epoch, when it steps per epoch."""
+    if interval != "epoch":
+        return
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(row.get("val_loss", row["train_loss"]))
+    else:
+        scheduler.step()
+
+
+def _overrides(cb: Any, hook: str) -> bool:
+    from ..callbacks import Callback  # callbacks imports nothing of _training; deferred all the same
+
+    return getattr(type(cb), hook, None) is not getattr(Callback, hook)
+
+
+class OptimizerSteps:
+    """Takes the optimizer steps of a ``train()`` call: hooks, ``global_step``, a per-step scheduler.
+
+    Args:
+        parts: The call's parts (callbacks, scheduler, the view the hooks get).
+        state: The run's state (``global_step`` grows here).
+        interval: ``scheduler_interval`` as given (None: by the scheduler's type).
+    """
+
+    def __init__(self, parts: Any, state: Any, interval: str | None):
+        self.parts, self.state = parts, state
+        self.interval = resolve_interval(parts.scheduler, interval)
+        # Only callbacks that override a hook are called: with none, fp16 gradients
+        # are not unscaled for a hook nobody reads (clipping still unscales them).
+        self.before = [cb for cb in parts.callbacks if _overrides(cb, "on_before_optimizer_step")]
+        self.after = [cb for cb in parts.callbacks if _overrides(cb, "on_optimizer_step")]
+
+    def take(self, step: Any) -> int:
+        """One optimizer step through ``step`` (a :class:`~.step.Step`), its hooks and scheduler; the new global step."""
+        n = self.state.global_step + 1
+        before: Callable[[], None] | None = functools.partial(self._before, n) if self.before else None
+        step.optimizer_step(before)
+        self.state.global_step = n
+        for cb in self.after:
+            cb.on_optimizer_step(self.parts.view, n)
+        if self.interval == "step":
+            self.parts.scheduler.step()
+        return n
+
+    def _before(self, n: int) -> None:
+        for cb in self.before:
+            cb.on_before_optimizer_step(self.parts.view, n)

@@ -55,17 +55,18 @@ class Step:
         scaled = loss / self.accumulate if self.accumulate > 1 else loss
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
-    def optimizer_step(self) -> None:
-        """Unscale, clip, step, update the scaler, zero the gradients."""
+    def optimizer_step(self, before: Callable[[], None] | None = None) -> None:
+        """Unscale, clip, ``before()`` (the gradients as the optimizer will use them), step, update the scaler, zero."""
+        if self.scaler is not None and (self.clip_grad_norm is not None or before is not None):
+            self.scaler.unscale_(self.optimizer)  # clip (and show the hook) the true gradients, not the scaled ones
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
+        if before is not None:
+            before()
         if self.scaler is not None:
-            if self.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # skips the update on inf/NaN gradients
             self.scaler.update()
         else:
-            if self.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self._trainable(), self.clip_grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
