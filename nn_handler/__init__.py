@@ -51,6 +51,7 @@ _LAZY = {
     ".loggers": ("TensorBoardLogger",),
     ".handler": ("NNHandler",),
     ".history": ("History",),
+    ".seeding": ("seed_everything",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
     from .handler import NNHandler
     from .history import History
+    from .seeding import seed_everything
     from .loggers import TensorBoardLogger
     from .utils._workers.worker import worker_state
     from .utils.ddp import (
@@ -174,6 +176,7 @@ __all__ = [
     # nn_handler.handler
     "NNHandler",
     "History",
+    "seed_everything",
     "Callback",
     "EarlyStopping",
     "ModelCheckpoint",

@@ -42,7 +42,7 @@ from ._checks import check_int
 from ._training import data as D
 from ._training import evaluation, lifetime
 from ._training import resume as R
-from ._training.config import Resume, TrainingConfig, check_for_device, config_property, seed_everything
+from ._training.config import Resume, TrainingConfig, check_for_device, config_property
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
@@ -53,6 +53,7 @@ from .callbacks import Callback
 from .checkpoint import load_payload
 from .errors import ConfigurationError
 from .history import History
+from .seeding import seed_everything
 from .utils._stall import current as stall_watchdog
 from .utils._stall import resolve_stall_timeout, set_timeout as set_stall_timeout
 from .utils.ddp import (cleanup_ddp, get_rank, get_world_size, initialize_ddp, is_distributed, resolve_device,
@@ -97,7 +98,7 @@ class NNHandler:
         sync_batchnorm: Under DDP, convert BatchNorm layers to ``SyncBatchNorm``.
         ddp_kwargs: Passed to ``DistributedDataParallel``: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``.
-        seed: Seeds ``torch``, ``random`` and NumPy now, and the
+        seed: :func:`~nn_handler.seed_everything` now (``random``, NumPy, torch), and the
             ``DistributedSampler``'s shuffling (0 when not given).
         optimizer_kwargs: Keyword arguments when ``optimizer`` is a class.
         scheduler_kwargs: Keyword arguments when ``scheduler`` is a class.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union
@@ -178,18 +177,6 @@ def _checked_metrics(metrics: Any) -> dict[str, Callable]:
         if not isinstance(name, str) or not callable(fn):
             raise ConfigurationError(f"metric {name!r} must map a str to a callable fn(outputs, targets), got {fn!r}")
     return dict(metrics)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed ``random``, torch (every CUDA device too) and NumPy when it is installed."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np  # not a requirement: seeded only where the user has it
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def config_property(name: str) -> property:

@@ -97,9 +97,9 @@ def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) ->
 
 
 def _overrides(cb: Any, hook: str) -> bool:
-    from ..callbacks import Callback  # callbacks imports nothing of _training; deferred all the same
-
-    return getattr(type(cb), hook, None) is not getattr(Callback, hook)
+    """True when ``cb``'s class (or a base of it other than ``Callback``) defines ``hook``."""
+    owner = next((k for k in type(cb).__mro__ if hook in vars(k)), None)
+    return owner is not None and not (owner.__module__ == "nn_handler.callbacks" and owner.__name__ == "Callback")
 
 
 class OptimizerSteps:

@@ -320,7 +320,9 @@ PUBLIC_NAMES = {
         "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "History", "Callback",
         "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TensorBoardLogger", "NonFiniteLossError", "CheckpointError",
         "CheckpointMismatchError", "MissingExtraError", "TrainingPreempted", "PREEMPTED_EXIT_CODE",
+        "seed_everything",
     ],
+    "nn_handler.seeding": ["seed_everything"],
     "nn_handler.utils.ddp": [
         "initialize_ddp", "resolve_device", "should_use_distributed", "get_rank", "get_local_rank",
         "get_world_size", "is_distributed", "is_main_process", "barrier", "cleanup_ddp", "find_free_port",
