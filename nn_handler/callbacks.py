@@ -18,15 +18,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol, runtime_checkable
 
-from ._checks import check_choice, check_int, check_number, invalid
+from ._checks import check_bool, check_choice, check_int, check_number, invalid
+from .errors import ConfigurationError
 from .utils.ddp import is_main_process
 
 if TYPE_CHECKING:
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
     from .history import History
 
-__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TrainerView"]
+__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger", "EMA", "TrainerView"]
 
 log = logging.getLogger(__name__)
 Mode = Literal["min", "max"]
@@ -252,8 +255,9 @@ class ModelCheckpoint(Callback):
     """Save full training checkpoints while training.
 
     Files in ``dirpath``: ``epoch=NNNN.ckpt`` every ``every_n_epochs`` epochs
-    (with ``save_best_only``, ``best.ckpt`` instead, only when ``monitor``
-    improved) and ``last.ckpt`` after every epoch when ``save_last``. Each
+    (with ``save_top_k=k``, only the ``k`` best by ``monitor``, the others
+    deleted; with ``save_best_only``, ``best.ckpt`` instead, only when
+    ``monitor`` improved) and ``last.ckpt`` after every epoch when ``save_last``. Each
     write is atomic; each file resumes training with
     :meth:`NNHandler.load_checkpoint`. Where ``max_steps`` or ``max_time``
     stops an epoch part-way, only ``last.ckpt`` is written (it resumes at the
@@ -266,6 +270,14 @@ class ModelCheckpoint(Callback):
         save_best_only: Keep one ``best.ckpt`` instead of one file per epoch.
         save_last: Also write ``last.ckpt`` every epoch.
         every_n_epochs: Consider saving every this many epochs (>= 1).
+        save_top_k: Keep the ``k`` best epoch files (>= 1): an epoch's file is
+            written when fewer than ``k`` are kept or its value beats the worst
+            kept, which is then deleted (rank 0 deletes). On a tie the earlier
+            epoch ranks better, so a value equal to the worst kept is not
+            saved; NaN never is. The list of kept files is in the callback's
+            checkpoint state, so a resumed run goes on pruning them (files it
+            does not list are never touched). None (default): every file is
+            kept. ``save_best_only`` is the one-file form, under the name ``best.ckpt``.
 
     Example:
         >>> ModelCheckpoint("ckpts", every_n_epochs=0)
@@ -275,12 +287,19 @@ class ModelCheckpoint(Callback):
     """
 
     def __init__(self, dirpath: str | os.PathLike, monitor: str = "val_loss", mode: Mode = "min",
-                 save_best_only: bool = False, save_last: bool = True, every_n_epochs: int = 1):
+                 save_best_only: bool = False, save_last: bool = True, every_n_epochs: int = 1,
+                 save_top_k: int | None = None):
         check_int("every_n_epochs", every_n_epochs, minimum=1)
+        check_int("save_top_k", save_top_k, minimum=1, allow_none=True)
+        if save_top_k is not None and save_best_only:
+            raise ConfigurationError("save_best_only=True keeps one best.ckpt and save_top_k keeps the k best epoch "
+                                     "files: choose one (save_top_k=1 keeps one epoch=NNNN.ckpt)")
         self.dirpath = Path(dirpath)
         self._monitor = _Monitor(monitor, mode)
         self.save_best_only, self.save_last, self.every_n_epochs = save_best_only, save_last, every_n_epochs
+        self.save_top_k = save_top_k
         self.best_path: str | None = None
+        self.kept: list[tuple[str, float, int]] = []  # with save_top_k: (path, value, epoch), best first
 
     @property
     def best(self) -> float | None:
@@ -289,7 +308,9 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, handler, epoch, logs):
         if epoch % self.every_n_epochs == 0 and not getattr(handler, "partial_epoch", False):
-            if self.save_best_only:
+            if self.save_top_k is not None:
+                self._save_top_k(handler, epoch, self._monitor.value(logs, "ModelCheckpoint"))
+            elif self.save_best_only:
                 value = self._monitor.value(logs, "ModelCheckpoint")
                 if self._monitor.improved(value):
                     self._monitor.best = value
@@ -304,11 +325,42 @@ class ModelCheckpoint(Callback):
         if self.save_last:
             handler.save_checkpoint(self.dirpath / "last.ckpt")
 
+    def _rank(self, value: float, epoch: int) -> tuple:
+        """Sort key, best first: NaN last, then by value, then the earlier epoch."""
+        nan = math.isnan(value)
+        return (nan, 0.0 if nan else (value if self._monitor.mode == "min" else -value), epoch)
+
+    def _save_top_k(self, handler: TrainerView, epoch: int, value: float) -> None:
+        if math.isnan(value):
+            return
+        path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
+        kept = [entry for entry in self.kept if entry[0] != path]  # a rerun epoch replaces its own entry
+        ranked = sorted(kept + [(path, value, epoch)], key=lambda e: self._rank(e[1], e[2]))
+        if ranked.index((path, value, epoch)) >= self.save_top_k:
+            return  # not among the k best: nothing written, nothing deleted
+        dropped = ranked[self.save_top_k:]
+        # The list is updated before the write, so the checkpoint holds the list it belongs to.
+        self.kept = ranked[:self.save_top_k]
+        self._monitor.best, self.best_path = self.kept[0][1], self.kept[0][0]
+        handler.save_checkpoint(path)
+        if handler.is_main_process:
+            for old, _, _ in dropped:
+                _remove(Path(old))
+
     def state_dict(self):
-        return {"best": self._monitor.best, "best_path": self.best_path}
+        return {"best": self._monitor.best, "best_path": self.best_path, "kept": [list(e) for e in self.kept]}
 
     def load_state_dict(self, state):
         self._monitor.best, self.best_path = state["best"], state["best_path"]
+        self.kept = [(str(p), float(v), int(e)) for p, v, e in state.get("kept", [])]  # absent before save_top_k
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: a file, or the directory of a ``strategy="fsdp"`` run."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 class CSVLogger(Callback):
@@ -348,3 +400,106 @@ class CSVLogger(Callback):
         tmp = self.path.with_name(f".{self.path.name}.tmp.{os.getpid()}")
         tmp.write_text(buf.getvalue())
         os.replace(tmp, self.path)  # readers never see a half-written file
+
+
+class EMA(Callback):
+    """An exponential moving average of the model's weights, updated after every optimizer step.
+
+    After each step ``ema = decay * ema + (1 - decay) * weights`` (the first
+    step copies the weights), with torch's ``AveragedModel`` and
+    ``get_ema_multi_avg_fn``. The average is in checkpoints (the callback's
+    state) and restored on resume, so a resumed run's average equals the
+    uninterrupted run's. Under DDP every rank keeps the same average (its
+    weights are the same); ``strategy="fsdp"`` is refused (each rank holds
+    only shards of the weights).
+
+    Args:
+        decay: Weight of the old average, in (0, 1).
+        use_buffers: Average the buffers too (BatchNorm's running statistics),
+            so the averaged model needs no pass over the data; False keeps the
+            live model's buffers when the average is swapped in.
+
+    Attributes:
+        module: The ``torch.optim.swa_utils.AveragedModel`` (None before
+            training starts); ``ema.module(x)`` runs the averaged model,
+            ``ema.module.module`` is the averaged copy of the model itself.
+
+    Example:
+        >>> import torch
+        >>> from nn_handler import NNHandler
+        >>> X, y = torch.randn(32, 3), torch.randn(32, 1)
+        >>> ema = EMA(decay=0.9)
+        >>> handler = NNHandler(torch.nn.Linear(3, 1), torch.optim.SGD, torch.nn.MSELoss(),
+        ...                     optimizer_kwargs={"lr": 0.1}, callbacks=[ema])
+        >>> handler.set_train_loader((X, y), batch_size=8)
+        >>> _ = handler.train(2, progress=False)
+        >>> with ema.swapped(handler):          # evaluate, predict or export the averaged weights
+        ...     averaged = handler.predict(X)
+        >>> torch.allclose(averaged, ema.module(X).detach())
+        True
+    """
+
+    def __init__(self, decay: float = 0.999, use_buffers: bool = True):
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise invalid("decay", "a number in (0, 1)", decay, "e.g. 0.999: the average's memory is ~1/(1-decay) steps")
+        self.decay, self.use_buffers = float(decay), check_bool("use_buffers", use_buffers)
+        self.module: Any = None
+        self._loaded: dict[str, Any] | None = None  # a checkpoint's average, loaded before the model is known
+
+    def on_train_begin(self, handler):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        _refuse_sharded(handler.module)
+        if self.module is None:
+            self.module = AveragedModel(handler.module, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
+                                        use_buffers=self.use_buffers)
+        if self._loaded is not None:
+            self.module.load_state_dict(self._loaded)
+            self._loaded = None
+
+    def on_optimizer_step(self, handler, step):
+        self.module.update_parameters(handler.module)
+
+    @contextlib.contextmanager
+    def swapped(self, handler: TrainerView) -> Iterator[TrainerView]:
+        """Within the block, ``handler``'s model holds the averaged weights; the trained ones are back after it.
+
+        Call it on every rank under DDP (no collective: every rank copies its
+        own average). Inside, ``evaluate``, ``predict`` and ``export_model``
+        use the average.
+        """
+        if self.module is None:
+            raise RuntimeError("EMA has no average yet: train with this callback first")
+        live = handler.module
+        saved = {k: v.detach().clone() for k, v in live.state_dict().items()}
+        averaged = self.module.module.state_dict()
+        if not self.use_buffers:  # only the parameters are averaged
+            names = {name for name, _ in live.named_parameters()}
+            averaged = {k: (averaged[k] if k in names else v) for k, v in saved.items()}
+        live.load_state_dict(averaged)  # copies in place: DDP's and the optimizer's references stay valid
+        try:
+            yield handler
+        finally:
+            live.load_state_dict(saved)
+
+    def state_dict(self):
+        if self.module is None:
+            return {"average": self._loaded}
+        return {"average": dict(self.module.state_dict())}
+
+    def load_state_dict(self, state):
+        average = state.get("average")
+        if average is not None and self.module is not None:
+            self.module.load_state_dict(average)
+        else:
+            self._loaded = average
+
+
+def _refuse_sharded(module: Any) -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 cannot have sharded it
+        return
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise ConfigurationError("EMA keeps a whole copy of the weights and strategy='fsdp' holds shards of them "
+                                 "on each rank: use EMA with strategy='ddp' (or one process)")
