@@ -441,7 +441,7 @@ class EMA(Callback):
 
     def __init__(self, decay: float = 0.999, use_buffers: bool = True):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
-            raise invalid("decay", "a number in (0, 1)", decay, "e.g. 0.999: the average's memory is ~1/(1-decay) steps")
+            raise invalid("decay", "a number in (0, 1)", decay, "e.g. 0.999: an average over ~1/(1-decay) steps")
         self.decay, self.use_buffers = float(decay), check_bool("use_buffers", use_buffers)
         self.module: Any = None
         self._loaded: dict[str, Any] | None = None  # a checkpoint's average, loaded before the model is known

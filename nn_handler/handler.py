@@ -406,7 +406,7 @@ class NNHandler:
     # ------------------------------------------------------------------ training
 
     def train(self, epochs: int | None = None, *, max_steps: int | None = None, max_time: float | None = None,
-              validate_every: int = 1, progress: bool = True) -> History:
+              validate_every: int = 1, validate_every_n_steps: int | None = None, progress: bool = True) -> History:
         """Train until ``epochs`` epochs are complete, ``max_steps`` optimizer steps or ``max_time`` seconds.
 
         ``epochs`` and ``max_steps`` count from the start of training (a run
@@ -422,7 +422,9 @@ class NNHandler:
             max_time: Seconds to train for in this call (> 0), or None.
             validate_every: Validate after every this many epochs (needs a
                 validation loader; >= 1).
-            progress: One tqdm bar per epoch on the main process.
+            validate_every_n_steps: Also validate every this many optimizer steps (global), each a History row
+                ``{epoch, step, val_*, lr}`` and an ``on_validation_end``; not twice at an epoch's end.
+            progress: One tqdm bar per epoch on the main process (off a terminal, also a line per epoch).
 
         With ``checkpoint_dir``, a checkpoint is written after every epoch,
         and a SIGTERM (SLURM, Kubernetes, torchrun forwarding its own) makes
@@ -450,12 +452,13 @@ class NNHandler:
         """
         limits = Limits.checked(epochs, max_steps, max_time)
         validate_every = check_int("validate_every", validate_every, minimum=1)
+        check_int("validate_every_n_steps", validate_every_n_steps, minimum=1, allow_none=True)
         self._check_ready()
         parts, state = self._parts(), self._state
         if state.start_pending:
             R.start_run(parts, self.config, state)
             state.start_pending = False  # only once it succeeded: a refused directory stays refused
-        Loop(parts, self.config, state).run(limits, validate_every, progress)
+        Loop(parts, self.config, state).run(limits, validate_every, progress, validate_every_n_steps)
         return self.history
 
     def evaluate(self, data: Any = None) -> dict[str, float]:

@@ -48,6 +48,7 @@ from .parts import Parts
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .readout import HostReads
+from .report import epoch_line, report_epoch, validate_at_step
 from .resume import save_run_checkpoint
 from .schedule import OptimizerSteps, step_per_epoch
 from .sharding import can_pause_sync, gradient_sync_paused
@@ -93,9 +94,11 @@ class Loop:
     def __init__(self, parts: Parts, config: TrainingConfig, state: TrainingState):
         self.parts, self.config, self.state = parts, config, state
 
-    def run(self, limits: Limits, validate_every: int, progress: bool) -> None:
+    def run(self, limits: Limits, validate_every: int, progress: bool,
+            validate_every_n_steps: int | None = None) -> None:
         """Train until ``limits``, with the train-level hooks around it (none when there is nothing to do)."""
         parts, state = self.parts, self.state
+        self.validate_every, self.val_steps = validate_every, validate_every_n_steps
         if state.finished_early:
             log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
                         "nothing to do", state.epoch)
@@ -192,6 +195,8 @@ class Loop:
             state.resume_partial = partial
         k = len(train["sums"])
         row: dict[str, Any] = {"epoch": epoch, **M.means("train_", totals[:k], config.metrics)}
+        if self.val_steps:
+            row["step"] = state.global_step  # beside the rows of validate_every_n_steps
         if validate:
             val_logs = M.means("val_", totals[k:], config.metrics)
             row.update(val_logs)
@@ -210,9 +215,7 @@ class Loop:
             state.epoch = epoch
         state.history.append(row)
         if parts.is_main_process:
-            log.info("epoch %d%s%s: %s", epoch, "" if limits.epochs is None else f"/{limits.epochs}",
-                     "" if partial is None else f" (stopped after {partial['batches']} batches)",
-                     " ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_"))))
+            report_epoch(epoch_line(row, limits.epochs, None if partial is None else partial["batches"]), progress)
         for cb in parts.callbacks:
             cb.on_epoch_end(parts.view, epoch, row)
         return partial
@@ -309,6 +312,9 @@ class Loop:
                     # After the whole step (update, hooks): a stop comes between
                     # two optimizer steps, never inside an accumulation group.
                     last = n_batches is not None and i + 1 == n_batches
+                    if (self.val_steps and state.global_step % self.val_steps == 0 and parts.val_loader is not None
+                            and not (last and epoch % self.validate_every == 0)):  # not twice at the epoch's end
+                        validate_at_step(parts, config, state, epoch)
                     if monitor is not None:
                         stop = monitor.step_done(last)
                     if stop is None and max_steps is not None and state.global_step >= max_steps and not last:

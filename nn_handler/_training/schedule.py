@@ -120,7 +120,7 @@ class OptimizerSteps:
         self.after = [cb for cb in parts.callbacks if _overrides(cb, "on_optimizer_step")]
 
     def take(self, step: Any) -> int:
-        """One optimizer step through ``step`` (a :class:`~.step.Step`), its hooks and scheduler; the new global step."""
+        """One optimizer step through ``step`` (a :class:`~.step.Step`), hooks and scheduler; the new global step."""
         n = self.state.global_step + 1
         before: Callable[[], None] | None = functools.partial(self._before, n) if self.before else None
         step.optimizer_step(before)

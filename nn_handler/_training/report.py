@@ -1,0 +1,79 @@
+"""What the main process says about training beside the bar: a line per epoch, and validation every N steps.
+
+The epoch line (rank 0) goes to this module's logger at INFO, and, when the
+progress bar is on but not on a terminal (``nohup``, SLURM, a pipe: tqdm's
+bar then leaves one frozen line per epoch), it is also printed through
+``tqdm.write``, so a log file gets the epoch's numbers::
+
+    epoch 2/10: train_loss=0.4117 train_mae=0.5012 val_loss=0.4305 val_mae=0.5155 lr=0.05 time=1.32s
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from . import metrics as M
+from .config import TrainingConfig
+from .evaluation import eval_sums
+from .parts import Parts
+from .state import TrainingState
+
+log = logging.getLogger(__name__)
+
+
+def epoch_line(row: dict[str, Any], epochs: int | None, stopped_after: int | None = None) -> str:
+    """The one-line summary of a History row.
+
+    Example:
+        >>> epoch_line({"epoch": 2, "train_loss": 0.41174, "val_loss": 0.5, "lr": 0.05, "epoch_time": 1.3171,
+        ...             "samples_per_sec": 900.0}, 10)
+        'epoch 2/10: train_loss=0.4117 val_loss=0.5 lr=0.05 time=1.32s'
+    """
+    where = f"epoch {row['epoch']}" + ("" if epochs is None else f"/{epochs}")
+    if stopped_after is not None:
+        where += f" (stopped after {stopped_after} batches)"
+    values = [f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_")) and v is not None]
+    if row.get("lr") is not None:
+        values.append(f"lr={row['lr']:.4g}")
+    if row.get("epoch_time") is not None:
+        values.append(f"time={row['epoch_time']:.2f}s")
+    return f"{where}: {' '.join(values)}"
+
+
+def report_epoch(line: str, bar: bool) -> None:
+    """Log ``line``; print it too where the bar (``bar``: it is on) is not on a terminal."""
+    log.info("%s", line)
+    if bar and not _on_terminal(sys.stderr):
+        from tqdm.auto import tqdm
+
+        tqdm.write(line, file=sys.stderr)  # between bars, as tqdm keeps them apart
+
+
+def _on_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+def validate_at_step(parts: Parts, config: TrainingConfig, state: TrainingState, epoch: int) -> dict[str, Any]:
+    """Validate now, mid-epoch, on every rank: a History row ``{epoch, step, val_*, lr}`` and ``on_validation_end``.
+
+    One all-reduce of the validation sums (the ranks call this at the same
+    global step). A row of a part-way epoch that this run continues is out
+    of date once training went on, so it goes first.
+    """
+    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, parts.val_loader), [], parts.device, parts.distributed)
+    logs = M.means("val_", totals, config.metrics)
+    state.drop_partial_row()
+    row = {"epoch": epoch, "step": state.global_step, **logs, "lr": parts.optimizer.param_groups[0]["lr"]}
+    state.history.append(row)
+    if parts.is_main_process:
+        log.info("step %d (epoch %d): %s", state.global_step, epoch, " ".join(f"{k}={v:.4g}" for k, v in logs.items()))
+    for cb in parts.callbacks:
+        cb.on_validation_end(parts.view, epoch, {"step": state.global_step, **logs})
+    return row
