@@ -31,8 +31,10 @@ class History:
     ``lr``, ``epoch_time`` (seconds, slowest rank), ``samples_per_sec``
     (training samples of all ranks per second) and ``peak_mem_mb_rank<r>``
     (peak memory of rank ``r``'s device: CUDA allocations on a GPU, the
-    process's peak resident memory on CPU). All values are plain Python
-    numbers, identical on every rank.
+    process's peak resident memory on CPU). With ``validate_every_n_steps``,
+    rows of validations inside an epoch too, and a ``step`` column (the
+    global optimizer step). All values are plain Python numbers (None where
+    a row has no value), identical on every rank.
 
     Example:
         >>> h = History({"epoch": [1], "train_loss": [0.3]})
