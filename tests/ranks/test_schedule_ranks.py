@@ -18,8 +18,10 @@ def warmup(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * 0.8 ** max(0, s - 3))
 
 
-def _body(rank):
-    from nn_handler import Callback, NNHandler
+def _body(rank, directory):
+    import os
+
+    from nn_handler import Callback, ModelCheckpoint, NNHandler
     from nn_handler.callbacks import EMA
 
     class Steps(Callback):
@@ -43,6 +45,15 @@ def _body(rank):
         out[accum] = {"lrs": log.lrs, "steps": log.steps,
                       "weights": [p.detach().clone() for p in handler.module.parameters()],
                       "ema": [p.detach().clone() for p in ema.module.module.parameters()]}
+    # Validation every 4 optimizer steps and the 2 best epoch files, kept by rank 0.
+    handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": LR}, device="cpu",
+                        callbacks=[ModelCheckpoint(directory, save_top_k=2, save_last=False)])
+    handler.set_train_loader((X, y), batch_size=BATCH)
+    handler.set_val_loader(make_data(10, seed=1), batch_size=BATCH)
+    handler.train(4, validate_every_n_steps=4, progress=False)
+    out["history"] = handler.history.state_dict()
+    handler.close()
+    out["files"] = sorted(os.listdir(directory))
     return out
 
 
@@ -77,8 +88,8 @@ def _reference(accum):
     return lrs, params, ema
 
 
-def test_two_ranks_per_step_schedule_and_ema_match_a_hand_written_loop():
-    results = check_ranks(run_distributed(_body, nprocs=2, timeout=TIMEOUT))
+def test_two_ranks_per_step_schedule_and_ema_match_a_hand_written_loop(tmp_path):
+    results = check_ranks(run_distributed(_body, nprocs=2, args=(str(tmp_path),), timeout=TIMEOUT))
     for accum in (1, 2):
         lrs, weights, ema = _reference(accum)
         r0, r1 = results[0][accum], results[1][accum]
@@ -87,3 +98,10 @@ def test_two_ranks_per_step_schedule_and_ema_match_a_hand_written_loop():
         for mine, ref in ((r0["weights"], weights), (r0["ema"], ema)):
             assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(mine, ref)), accum
         assert all(torch.equal(a, b) for a, b in zip(r0["ema"], r1["ema"]))  # the same average on every rank
+    # validate_every_n_steps and save_top_k, from the same run: the same History on both ranks.
+    history = results[0]["history"]
+    assert history == results[1]["history"]
+    assert history["step"] == [4, 6, 8, 12, 16, 18, 20, 24]  # 6 steps an epoch; 12 and 24 end their epochs
+    epoch_rows = [(v, e) for e, s, v in zip(history["epoch"], history["step"], history["val_loss"]) if s % 6 == 0]
+    kept = sorted(f"epoch={e:04d}.ckpt" for _, e in sorted(epoch_rows)[:2])
+    assert results[0]["files"] == kept
