@@ -14,6 +14,8 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     precision.py   amp: the autocast dtype, the GradScaler, FSDP's MixedPrecisionPolicy (decided once)
     step.py        one optimizer step (autocast, scaler, clipping)
     loop.py        epochs, hooks, accumulation and no_sync, finite checks, the preemption stop
+    schedule.py    the LR scheduler (built, checked, stepped per epoch or per step) and the optimizer-step hooks
+    report.py      the line per epoch (logged; printed off a terminal), validation every N optimizer steps
     metrics.py     the epoch's sums, one all-reduce, non-finite losses
     evaluation.py  evaluate and predict, every sample exactly once
     resume.py      what a checkpoint holds, and how a run starts and resumes
