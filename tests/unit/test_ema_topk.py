@@ -1,4 +1,4 @@
-"""EMA's average in checkpoints and swapped in, ModelCheckpoint(save_top_k=), the epoch line, validation every N steps."""
+"""EMA's average in checkpoints and swapped in, ModelCheckpoint(save_top_k=), the epoch line, step validation."""
 
 from __future__ import annotations
 
