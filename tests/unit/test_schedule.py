@@ -75,7 +75,8 @@ def reference(make_scheduler, accum: int, epochs: int = EPOCHS):
 def handler_for(scheduler, accum, callbacks, loss=None, **kwargs):
     X, y = make_data(N)
     handler = NNHandler(make_model(), torch.optim.SGD, loss or nn.MSELoss(),
-                        optimizer_kwargs={"lr": LR, "momentum": MOMENTUM}, scheduler=scheduler, grad_accum_steps=accum, callbacks=callbacks, device="cpu", **kwargs)
+                        optimizer_kwargs={"lr": LR, "momentum": MOMENTUM}, scheduler=scheduler,
+                        grad_accum_steps=accum, callbacks=callbacks, device="cpu", **kwargs)
     handler.set_train_loader(DataLoader(TensorDataset(X, y), batch_size=BATCH))  # in order, as the reference
     return handler
 
