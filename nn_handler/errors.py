@@ -116,7 +116,9 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
     def __init__(self, failures, exceptions=None, function: str = "call"):
         _attach(self, tuple(sorted(failures, key=_likely_cause_first)), dict(exceptions or {}), function)
         # BaseException's own __init__, as RankFailedError does: see there.
-        BaseException.__init__(self, _render(self._failures, function))
+        # The root's traceback is left out of the message: it is the __cause__, which Python prints above it
+        # (in the message too, it printed twice: once per failure is the rule, root cause first).
+        BaseException.__init__(self, _render(self._failures, function, root_traceback=False))
         # Set here, not at the raise: an error rebuilt from its records (unpickled) gets it too.
         self.__cause__ = _remote_cause(self._failures)
 
