@@ -63,6 +63,8 @@ class Settled:
     """
 
     def __init__(self, func, position: int | None, pass_device: bool, star: bool):
+        if not callable(func):
+            raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
         self.func, self.position, self.pass_device, self.star = func, position, pass_device, star
 
     def __call__(self, item, device=None):
