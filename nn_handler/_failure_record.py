@@ -82,9 +82,11 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
 def _likely_cause_first(f: "RankFailure") -> tuple[int, int]:
     # An exception raised by user code explains more than a worker that was
     # torn down afterwards, and a death explains its peers' broken connections.
+    # A RankFailedError only relays another rank's failure (an @on_rank function's).
     if f.died:
         return 1, f.rank
-    return (2 if any(text in f.message for text in _PEER_GONE) else 0), f.rank
+    relayed = any(text in f.message for text in _PEER_GONE) or (f.exc_type or "").startswith("RankFailedError")
+    return (2 if relayed else 0), f.rank
 
 
 def _render(failures: tuple[RankFailure, ...], what: str, root_traceback: bool = True) -> str:
@@ -100,12 +102,14 @@ def _render(failures: tuple[RankFailure, ...], what: str, root_traceback: bool =
 
 
 def _render_rank_failed(function: str, failures: tuple[RankFailure, ...]) -> str:
+    # The first traceback is the error's __cause__, which Python prints above the message: not here too.
+    cause = next((f for f in failures if f.traceback), None)
     if len(failures) == 1:
         lines = [failures[0].headline(function)]
     else:
         lines = [f"{function} failed on ranks {', '.join(str(f.rank) for f in failures)}:"]
         lines.extend("  " + f.headline(function) for f in failures)
     for f in failures:
-        if f.traceback:
+        if f.traceback and f is not cause:
             lines.append(f"--- traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
     return "\n".join(lines)

@@ -255,7 +255,7 @@ class RankFailedError(NNHandlerError, RuntimeError):
         >>> err = RankFailedError.create("save", [failure], ValueError)
         >>> isinstance(err, ValueError), err.ranks
         (True, (0,))
-        >>> str(err).splitlines()[0]
+        >>> str(err)   # rank 0's traceback is its __cause__, printed above it
         'save failed on rank 0 (?): ValueError: bad'
     """
 
