@@ -245,7 +245,9 @@ def test_rank_failed_error_renders_several_ranks_in_rank_order():
 def test_key_error_text_is_not_quoted():
     # KeyError's own __str__ would render the whole text as one repr'd line.
     err = RankFailedError.create("f", [_failure(exc_type="KeyError", message="'k'")], KeyError)
-    assert isinstance(err, KeyError) and str(err).startswith("f failed on rank 0") and "\n" in str(err)
+    assert isinstance(err, KeyError) and str(err) == "f failed on rank 0 (cpu, pid 100): KeyError: 'k'"
+    two = RankFailedError.create("f", [_failure(exc_type="KeyError", message="'k'"), _failure(1)], KeyError)
+    assert str(two).startswith("f failed on ranks 0, 1:\n") and "--- traceback of rank 1 ---" in str(two)
 
 
 @pytest.mark.parametrize("exc_type", [ValueError, KeyError, DiskFullError, FileNotFoundError, UnicodeDecodeError,
@@ -485,9 +487,10 @@ def test_a_failure_raises_on_every_rank(world):
             assert name == "RankFailedError[ValueError]" and ranks == (0,)
             assert text.startswith("_failures.<locals>.fails_on_zero failed on rank 0 (cpu, pid ")
             assert "ValueError: bad value on zero" in text
-            assert 'raise ValueError("bad value on zero")' in text  # the remote traceback
+            assert 'raise ValueError("bad value on zero")' not in text  # the remote traceback is the cause alone
             cause, _, own = r["zero formatted"].partition("The above exception was the direct cause")
             assert 'raise ValueError("bad value on zero")' in cause and "RemoteTraceback" in cause, r["zero formatted"]
+            assert 'raise ValueError("bad value on zero")' not in own  # printed once
         assert r["except"] == ("returned", "caught as ValueError")
 
         kind, name, mro, text, ranks = r["last"]
