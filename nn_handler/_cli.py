@@ -167,7 +167,8 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         environ: The environment to read; ``os.environ`` when omitted.
 
     Returns:
-        A dict with ``versions``, ``platform``, ``cuda``, ``backends``,
+        A dict with ``versions``, ``extras`` (optional packages' versions),
+        ``threads``, ``settings`` (``NN_HANDLER_*``), ``platform``, ``cuda``, ``backends``,
         ``launch``, ``ray``, ``workers`` and ``warnings``. ``launch`` is the detected
         :class:`~nn_handler.utils._env.LaunchEnv` as a dict (plus
         ``slurm_job_without_srun``: job id and tasks, for a plain process in a
@@ -210,6 +211,9 @@ def collect_info(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             "cloudpickle": _sysinfo.version("cloudpickle"),
             "numpy": _sysinfo.version("numpy"),
         },
+        "extras": _sysinfo.extras(),
+        "threads": _sysinfo.threads(environ),
+        "settings": _sysinfo.settings(environ),
         "platform": {"system": platform.platform(), "executable": sys.executable, "hostname": socket.gethostname(),
                      "cpus": _sysinfo.cpu_count()},
         "cuda": cuda,
@@ -232,6 +236,7 @@ def format_info(info: Mapping[str, Any]) -> str:
     lines = [f"nn_handler {v['nn_handler']}"]
     for name in ("python", "torch", "cloudpickle", "numpy"):
         lines.append(f"  {name:<12} {v[name] or 'not installed'}")
+    lines += _sysinfo.format_more(info) if "extras" in info else []  # (absent from older reports)
     p = info["platform"]
     lines.append(f"platform       {p['system']} on {p['hostname']}, {p['cpus']} CPU cores available")
     if cuda["available"]:
@@ -536,7 +541,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         info = collect_info()
-        print(json.dumps(info, indent=2) if args.json else format_info(info), file=out)
+        if _sysinfo.speaks_for_node(info["launch"]):  # under torchrun: one report per node, not per rank
+            print(json.dumps(info, indent=2) if args.json else format_info(info), file=out)
         # A wrong launch environment fails initialize_ddp in any script run
         # here, so a preflight `python -m nn_handler info && ...` stops too.
         # Warnings (traps) are advice and leave the status at 0.

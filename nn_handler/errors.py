@@ -1,4 +1,4 @@
-"""Every public exception of nn_handler, and the per-rank failure record.
+"""Every public exception of nn_handler (and, re-exported, the per-rank failure record).
 
 Configuration mistakes subclass :class:`ValueError`, execution failures
 subclass :class:`RuntimeError`, and everything subclasses
@@ -11,16 +11,19 @@ carry its traceback as their ``__cause__`` (a :class:`RemoteTraceback`), so
 Python prints it above the local one. Other modules re-export the errors
 they raise, so every old import path keeps working.
 
-This module imports nothing from the package (and nothing heavy at all) so
-that spawned workers can load it cheaply.
+The per-rank failure record and its rendering live in :mod:`nn_handler._failure_record` (re-exported
+here). This module imports nothing else from the package (and nothing heavy at all) so that spawned workers
+can load it cheaply.
 """
 
 from __future__ import annotations
 
 import pickle
-import signal
 import types
-from dataclasses import dataclass
+
+# (The private names too: other modules and old pickles import them from here.)
+from ._failure_record import _PEER_GONE, RankFailure, _likely_cause_first, _render, _render_rank_failed  # noqa: F401
+from ._failure_record import describe_exit  # noqa: F401
 
 __all__ = [
     "NNHandlerError",
@@ -60,92 +63,6 @@ class DeviceError(NNHandlerError, ValueError):
 
 class ConfigurationError(NNHandlerError, ValueError):
     """A setting, or a combination of settings, that cannot work here (the message says why and what to do)."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """Render a process exit code the way a person reads it.
-
-    Example:
-        >>> describe_exit(-9)
-        'killed by signal SIGKILL'
-        >>> describe_exit(3)
-        'exit code 3'
-    """
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-@dataclass(frozen=True, slots=True)
-class RankFailure:
-    """What went wrong on one rank (or worker); plain data that crosses process boundaries.
-
-    Attributes:
-        rank: The rank or worker index that failed.
-        device: The device the rank ran on, as a string (``"cuda:1"``, ``"cpu"``).
-        pid: The process id, when known.
-        exc_type: Qualified name of the exception type (``"ValueError"``), or
-            ``None`` when the process died without raising.
-        message: ``str()`` of the exception, or a description of the death.
-        traceback: The formatted remote traceback, or ``""``.
-        exitcode: The process exit code when it died (negative: a signal).
-        node: The cluster node it ran on (a Ray node id), or ``""`` on this machine.
-        host: The host name of that node, or ``""`` on this machine.
-    """
-
-    rank: int
-    device: str = "?"
-    pid: int | None = None
-    exc_type: str | None = None
-    message: str = ""
-    traceback: str = ""
-    exitcode: int | None = None
-    node: str = ""
-    host: str = ""
-
-    @property
-    def died(self) -> bool:
-        """True when the process ended without raising an exception."""
-        return self.exc_type is None
-
-    def headline(self, what: str = "call") -> str:
-        """One line saying what failed and where, e.g. ``"f failed on rank 1 (cpu, pid 42): ValueError: bad"``."""
-        where = f"rank {self.rank} ({self.device}" + (f", pid {self.pid}" if self.pid else "")
-        if self.host or self.node:
-            where += f", host {self.host or '?'}, node {self.node[:12] or '?'}"
-        where += ")"
-        if self.died:
-            return f"{what} died on {where}: {self.message or describe_exit(self.exitcode)}"
-        return f"{what} failed on {where}: {self.exc_type}: {self.message}"
-
-
-# What gloo says on a rank whose peer's process went away: never the root cause.
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
-
-
-def _likely_cause_first(f: "RankFailure") -> tuple[int, int]:
-    # An exception raised by user code explains more than a worker that was
-    # torn down afterwards, and a death explains its peers' broken connections.
-    if f.died:
-        return 1, f.rank
-    return (2 if any(text in f.message for text in _PEER_GONE) else 0), f.rank
-
-
-def _render(failures: tuple[RankFailure, ...], what: str, root_traceback: bool = True) -> str:
-    ordered = sorted(failures, key=_likely_cause_first)
-    lines = [ordered[0].headline(what)]
-    if len(ordered) > 1:
-        lines.append(f"{len(ordered)} ranks failed; in order of likely cause:")
-        lines.extend("  " + f.headline(what) for f in ordered)
-    for i, f in enumerate(ordered):
-        if f.traceback and (root_traceback or i):  # (without: the root's is the error's __cause__)
-            lines.append(f"\n--- remote traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
-    return "\n".join(lines)
 
 
 class RemoteTraceback(Exception):
@@ -199,7 +116,9 @@ class ParallelExecutionError(NNHandlerError, RuntimeError):
     def __init__(self, failures, exceptions=None, function: str = "call"):
         _attach(self, tuple(sorted(failures, key=_likely_cause_first)), dict(exceptions or {}), function)
         # BaseException's own __init__, as RankFailedError does: see there.
-        BaseException.__init__(self, _render(self._failures, function))
+        # The root's traceback is left out of the message: it is the __cause__, which Python prints above it
+        # (in the message too, it printed twice: once per failure is the rule, root cause first).
+        BaseException.__init__(self, _render(self._failures, function, root_traceback=False))
         # Set here, not at the raise: an error rebuilt from its records (unpickled) gets it too.
         self.__cause__ = _remote_cause(self._failures)
 
@@ -336,7 +255,7 @@ class RankFailedError(NNHandlerError, RuntimeError):
         >>> err = RankFailedError.create("save", [failure], ValueError)
         >>> isinstance(err, ValueError), err.ranks
         (True, (0,))
-        >>> str(err).splitlines()[0]
+        >>> str(err)   # rank 0's traceback is its __cause__, printed above it
         'save failed on rank 0 (?): ValueError: bad'
     """
 
@@ -390,18 +309,6 @@ class RankFailedError(NNHandlerError, RuntimeError):
             except Exception:  # a type whose __new__ rejects our arguments
                 pass
         return RankFailedError(function, failures)
-
-
-def _render_rank_failed(function: str, failures: tuple[RankFailure, ...]) -> str:
-    if len(failures) == 1:
-        lines = [failures[0].headline(function)]
-    else:
-        lines = [f"{function} failed on ranks {', '.join(str(f.rank) for f in failures)}:"]
-        lines.extend("  " + f.headline(function) for f in failures)
-    for f in failures:
-        if f.traceback:
-            lines.append(f"--- traceback of rank {f.rank} ---\n{f.traceback.rstrip()}")
-    return "\n".join(lines)
 
 
 _DERIVED: dict[tuple, type] = {}  # (base, original type) -> derived class

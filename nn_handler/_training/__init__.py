@@ -24,7 +24,7 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     buffers.py     the ranks' buffers are rank 0's wherever they are read (DDP's rule)
     sharding.py    strategy="fsdp": fully_shard by a wrap policy, the precision's policy
     sharded_checkpoint.py  DCP checkpoint directories, committed atomically; export_model
-    progress.py    the tqdm bar of an epoch
+    progress.py    the progress of an epoch (a bar, or lines off a terminal)
     readout.py     host reads of device values: per step where free, else without waiting
     lifetime.py    trainers still holding a process group are closed at exit
 """

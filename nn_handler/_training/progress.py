@@ -1,4 +1,4 @@
-"""The tqdm bar of a training epoch, showing the recent loss and throughput.
+"""The progress of a training epoch (a tqdm bar, or lines off a terminal), showing the recent loss and throughput.
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .._progress import progress_bar
 from .readout import PendingValue
 
 REFRESH_S = 0.5  # how often the bar refreshes its loss and rate
@@ -16,6 +17,9 @@ REFRESH_S = 0.5  # how often the bar refreshes its loss and rate
 
 class EpochBar:
     """One bar per epoch; :meth:`advance` after each batch, :meth:`close` at the end.
+
+    Off a terminal (a log file, SLURM) it writes a line every few seconds instead (see
+    :func:`nn_handler._progress.progress_bar`).
 
     The loss is read without waiting for the GPU: each refresh starts a
     non-blocking copy of the recent mean loss and shows the newest copy that
@@ -29,11 +33,8 @@ class EpochBar:
 
     def __init__(self, epoch: int, epochs: int | None, total: int | None, done: int, world_size: int,
                  disable: bool = False):
-        from tqdm.auto import tqdm
-
         desc = f"epoch {epoch}" if epochs is None else f"epoch {epoch}/{epochs}"
-        self._bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=True,
-                         disable=disable)
+        self._bar = progress_bar(total, desc, "batch", disable=disable, dynamic_ncols=True, leave=True)
         if done:
             self._bar.update(done)  # a resumed epoch starts where its checkpoint was written
         self._world_size = world_size

@@ -103,10 +103,11 @@ def _release_side_group() -> None:
 on_cleanup(_release_side_group)
 
 
-def side_group() -> SideGroup | None:
+def side_group(what: str | None = None) -> SideGroup | None:
     """The side gloo group of the current default group, created on first use; ``None`` without a group.
 
-    Collective on first use: every rank must call it at the same point.
+    Collective on first use: every rank must call it at the same point. ``what``: the rank-restricted work it
+    is made for, whose status exchange the creation is then watched as (a stall there names that work).
     """
     global _side
     if not is_distributed():
@@ -129,7 +130,7 @@ def side_group() -> SideGroup | None:
         # The user's timeout for the default group is the bound they chose
         # for "a rank waits on the others".
         timeout = group_timeout(world)
-        with watching("new_group (nn_handler's side group)"):
+        with watching(f"status exchange of {what}" if what else "new_group (nn_handler's side group)"):
             group = dist.new_group(backend="gloo", timeout=timeout)
         buffer = bytearray(_STATUS.size)
         side = SideGroup(weakref.ref(world), group, dist.get_rank(), dist.get_world_size(), timeout, buffer,

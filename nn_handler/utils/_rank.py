@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import _collectives as coll
 from ._env import detect_launch_env
 from ._guard import debug_enabled, no_collectives
+from ._stall_report import MAIN_PROCESS_FIRST, note_rank_function
 from .ddp import is_distributed
 
 __all__ = ["on_rank", "main_process_first"]
@@ -173,11 +174,12 @@ def on_rank(
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
         name = getattr(func, "__qualname__", None) or repr(func)
         targets = _target_ranks(rank, name)
+        note_rank_function(name)  # a stall in its status exchange can then name the likely cause
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             nested = coll.restricted.get()
-            side = coll.side_group() if not nested else None
+            side = coll.side_group(name) if not nested else None
             if side is not None:
                 _check_range(targets, side.size, name)
                 body = functools.partial(func, *args, **kwargs)
@@ -243,12 +245,12 @@ def main_process_first() -> Iterator[None]:
         True
     """
     coll.check_collective_allowed("main_process_first")
-    side = coll.side_group()
+    side = coll.side_group(MAIN_PROCESS_FIRST)
     if side is None:
         coll.require_group("main_process_first", "to make the other ranks wait for rank 0")
         yield
         return
-    name = "main_process_first block"
+    name = MAIN_PROCESS_FIRST
     if side.rank != 0:
         coll.agree_on_failure(side, name, None)  # phase 1: wait for rank 0's block
     token = coll.restricted.set(True)

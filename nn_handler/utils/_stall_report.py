@@ -13,6 +13,44 @@ from typing import Mapping
 
 from ..errors import CollectiveStallError
 
+_EXCHANGE = "status exchange of "
+#: The name main_process_first's status exchange goes by (``"status exchange of main_process_first block"``).
+MAIN_PROCESS_FIRST = "main_process_first block"
+# The @on_rank functions decorated in this process (their qualnames): a status exchange of one of them that a
+# rank never entered is the user's `if rank == 0: save()`. Filled at decoration, on every rank alike.
+_RANK_FUNCTIONS: set[str] = set()
+
+
+def note_rank_function(name: str) -> None:
+    """Remember that ``name`` is an @on_rank function (its exchange is the user's, see :func:`skipped_call`)."""
+    _RANK_FUNCTIONS.add(name)
+
+
+def skipped_call(collective: str, beats: Mapping[int, dict | None], missing) -> str:
+    """The likely cause when ranks never entered an @on_rank function or main_process_first block that the
+    others wait in: the function called under ``if rank == 0:``. ``""`` when it is not that.
+
+    Example:
+        >>> note_rank_function("save")
+        >>> beats = {0: {"collective": "status exchange of save"}, 1: {"collective": None, "task": None}}
+        >>> skipped_call("status exchange of save", beats, [1]).split(":")[0]
+        'the @on_rank function save was called on rank 0 only'
+        >>> skipped_call("all_reduce", beats, [1])
+        ''
+    """
+    name = collective[len(_EXCHANGE):] if collective.startswith(_EXCHANGE) else None
+    if name is None or (name not in _RANK_FUNCTIONS and name != MAIN_PROCESS_FIRST):
+        return ""
+    never = [r for r in missing if beats.get(r) is None or beats[r].get("task") != name]  # (not inside it either)
+    if not never:
+        return ""
+    entered = [r for r, b in sorted(beats.items()) if b is not None and b["collective"] == collective]
+    what = "the main_process_first block" if name == MAIN_PROCESS_FIRST else f"the @on_rank function {name}"
+    ranks = ", ".join(map(str, entered)) or "?"
+    return (f"{what} was called on rank{'s' if len(entered) != 1 else ''} {ranks} only: "
+            f"rank{'s' if len(never) != 1 else ''} {', '.join(map(str, never))} never entered it; call it on every "
+            f"rank, not under `if rank == 0:` (it runs on its own ranks by itself, and the others wait for it there)")
+
 
 def elsewhere(beat: dict | None, collective: str) -> bool:
     """Whether a rank is not where ``collective`` needs it.
@@ -59,7 +97,9 @@ def _own_code(b: dict) -> str:
 
 def render_report(rank, collective, beats, stacks, dead, missing, timeout, note: str = "") -> str:
     """The text of one rank's report (log and file); ``note``: a line on what this rank could not see."""
-    lines = [f"nn_handler stall report from rank {rank} ({time.strftime('%Y-%m-%d %H:%M:%S')})",
+    cause = skipped_call(collective, beats, missing)
+    lines = [cause] if cause else []
+    lines += [f"nn_handler stall report from rank {rank} ({time.strftime('%Y-%m-%d %H:%M:%S')})",
              f"collective: {collective} (stall_timeout {timeout:g} s)",
              f"dead ranks: {dead or 'none'}; ranks not in {collective}: {missing or 'none'}"]
     lines += [note] if note else []
@@ -84,7 +124,8 @@ def headline(rank, collective, beats, dead, missing, path, note: str = "") -> st
         parts.append(f"rank {r}{where}")
     waiting = [r for r, b in sorted(beats.items())
                if b is not None and r not in dead and b["collective"] == collective]
-    return (f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
+    cause = skipped_call(collective, beats, missing)
+    return ((f"{cause}; " if cause else "") + f"{collective} stalled: ranks {waiting} waited in it; " + "; ".join(parts or ["no rank is missing"])
             + (f"; {note}" if note else "") + f" (report of rank {rank}: {path})")
 
 

@@ -271,8 +271,8 @@ def test_info_in_process_text_and_json():
     assert out.getvalue().startswith(f"nn_handler {nn_handler.__version__}\n")
     out = io.StringIO()
     assert _cli.main(["info", "--json"], out=out) == 0
-    assert set(json.loads(out.getvalue())) == {"versions", "platform", "cuda", "backends", "launch", "ray",
-                                               "workers", "warnings"}
+    assert set(json.loads(out.getvalue())) == {"versions", "extras", "threads", "settings", "platform", "cuda",
+                                               "backends", "launch", "ray", "workers", "warnings"}
 
 
 def test_python_m_info_json_reports_the_launch_environment():
@@ -282,6 +282,32 @@ def test_python_m_info_json_reports_the_launch_environment():
     info = json.loads(result.stdout)
     assert info["launch"]["launcher"] == "torchrun" and info["launch"]["rank"] == 1
     assert info["versions"]["torch"] == str(torch.__version__)
+
+
+def test_info_reports_the_extras_threads_and_nn_handler_settings_a_bug_report_needs():
+    from importlib import metadata
+
+    environ = {"NN_HANDLER_STALL_TIMEOUT": "60", "NN_HANDLER_DEBUG": "1", "OMP_NUM_THREADS": "3", "PATH": "/bin"}
+    info = _cli.collect_info(environ)
+    assert info["extras"]["tqdm"] == metadata.version("tqdm")  # installed with the library
+    assert set(info["extras"]) >= {"tensorboard", "matplotlib", "tqdm", "ray", "transformers", "numpy"}
+    assert info["threads"]["torch"] == torch.get_num_threads() and info["threads"]["OMP_NUM_THREADS"] == "3"
+    assert info["threads"]["interop"] == torch.get_num_interop_threads()
+    assert info["settings"] == {"NN_HANDLER_DEBUG": "1", "NN_HANDLER_STALL_TIMEOUT": "60"}
+    text = _cli.format_info(info)
+    assert f"tqdm {metadata.version('tqdm')}" in text
+    assert f"threads        torch {torch.get_num_threads()}, interop" in text and "OMP_NUM_THREADS=3" in text
+    assert "NN_HANDLER_DEBUG=1, NN_HANDLER_STALL_TIMEOUT=60" in text
+
+
+def test_python_m_info_under_torchrun_prints_one_report_per_node_not_per_rank():
+    from nn_handler.utils.ddp import find_free_port
+
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={find_free_port()}", "-m", "nn_handler", "info"], timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count(f"nn_handler {nn_handler.__version__}\n") == 1, result.stdout
+    assert "launch         torchrun: rank 0 of 2, local rank 0" in result.stdout, result.stdout
 
 
 def test_python_m_unknown_command_exits_2():

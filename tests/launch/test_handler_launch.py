@@ -135,3 +135,45 @@ def test_ranks_do_not_rerun_the_callers_script(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     assert result.stdout.count("top-level code ran") == 1, result.stdout[-3000:]
     assert "launch 2" in result.stdout and "run_distributed [2, 2]" in result.stdout, result.stdout[-3000:]
+
+
+_FAILING_SCRIPT = '''
+from nn_handler import NNHandler
+from nn_handler.utils.ddp_decorators import on_rank
+
+
+@on_rank(0)
+def save():
+    raise ValueError("bad config on rank 0")  # the root cause
+
+
+def body():
+    import torch
+    import torch.distributed as dist
+
+    if ON_RANK:
+        save()  # rank 1 raises a RankFailedError that relays rank 0's error
+    elif dist.get_rank() == 0:
+        raise ValueError("bad config on rank 0")  # the root cause
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 1 waits for a rank that is gone
+
+
+if __name__ == "__main__":
+    NNHandler.launch(body, nprocs=2, timeout=100)
+'''
+
+
+@pytest.mark.parametrize("on_rank", [False, True])
+def test_an_uncaught_failure_prints_each_ranks_traceback_once_root_cause_first(tmp_path, on_rank):
+    script = tmp_path / "job.py"
+    script.write_text(f"ON_RANK = {on_rank}\n" + _FAILING_SCRIPT)
+    result = run_command([sys.executable, str(script)], timeout=150, cwd=tmp_path)
+    out = result.stdout
+    assert result.returncode == 1, out
+    assert out.count('raise ValueError("bad config on rank 0")  # the root cause') == 1, out
+    # Python prints the cause first: the rank's own frames, then the launch call that raised.
+    assert out.index("# the root cause") < out.index("NNHandler.launch(body") < out.index("failed on rank 0"), out
+    if not on_rank:  # (with it, whichever rank's failure came first ends the launch: rank 0's, or rank 1's relay)
+        assert out.count("Traceback (most recent call last)") == 2, out  # the worker's, then the caller's
+        assert out.count("body failed on rank 0") == 1, out

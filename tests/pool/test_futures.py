@@ -444,9 +444,13 @@ def test_map_first_result_before_the_last_item_is_done(ours):
     results.close()
 
 
-def test_map_progress_is_off_without_a_terminal(ours, capsys):
+def test_map_progress_off_a_terminal_writes_plain_lines(ours, capsys, monkeypatch):
+    monkeypatch.setattr("nn_handler._progress.INTERVAL_S", 0.0)  # a line per chunk (every few seconds by default)
     assert list(ours.map(square, range(5), progress=True)) == [0, 1, 4, 9, 16]
-    assert "it/s" not in capsys.readouterr().err and "item/s" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) == 6, err  # one per item, and the last
+    assert lines[-1].startswith("map: 5/5 items (100%)") and "elapsed" in lines[-1]
 
 
 def test_map_progress_bar_on_a_terminal(ours, monkeypatch):

@@ -113,6 +113,34 @@ def test_nn_handlers_own_collectives_are_watched_without_asking(tmp_path):
     assert isinstance(results[1], CollectiveStallError)
 
 
+def _on_rank_function_called_on_rank_0_only(rank, directory, first_use):
+    os.chdir(directory)
+
+    @on_rank(0)
+    def save_checkpoint():
+        return "saved"
+
+    if not first_use:
+        save_checkpoint()  # together: the side group exists
+    if rank == 0:
+        save_checkpoint()  # the common mistake: only rank 0 calls it
+    with watch_collectives():
+        dist.barrier()  # rank 1 goes on to the next collective
+    return "done"
+
+
+@pytest.mark.parametrize("first_use", [False, True])  # True: the call would also make nn_handler's side group
+def test_an_on_rank_function_called_on_rank_0_only_is_named_in_the_first_line(tmp_path, first_use):
+    results = _run(_on_rank_function_called_on_rank_0_only, str(tmp_path), first_use)
+    assert not any(result == "done" for result in results), results  # neither rank went on alone
+    for rank in (0, 1):  # both ranks wait in C (the exchange, the barrier): they write their reports and exit
+        report = (tmp_path / f"nn_handler-stall-rank{rank}.txt").read_text()
+        first = report.splitlines()[0]
+        assert first.startswith("the @on_rank function _on_rank_function_called_on_rank_0_only.<locals>."
+                                "save_checkpoint was called on rank 0 only: rank 1 never entered it; "
+                                "call it on every rank, not under `if rank == 0:`"), report
+
+
 def _killed_before_all_reduce(rank, directory):
     os.chdir(directory)
     t = torch.ones(1)

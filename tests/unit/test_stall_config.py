@@ -145,3 +145,33 @@ def test_a_gone_store_whose_host_process_lives_is_not_called_a_death(tmp_path):
     dog = _lost_store_watchdog(tmp_path, host_pid=os.getpid())
     assert dog.error is None and dog._peer_lost is None  # the collective's own error stands
     assert not list(tmp_path.iterdir())
+
+
+def _exchange_beats(name):
+    waiting = {"host": "h", "pid": 10, "step": None, "collective": f"status exchange of {name}",
+               "where": "train.py:20 (main)", "for_s": 5.0, "time": 0.0}
+    return {0: waiting, 1: dict(waiting, pid=11, collective="barrier", where="train.py:22 (main)")}
+
+
+@pytest.mark.parametrize("name, what", [
+    ("save_weights", "the @on_rank function save_weights"),
+    ("main_process_first block", "the main_process_first block"),
+])
+def test_a_rank_restricted_call_some_ranks_skipped_is_the_first_line_of_report_and_error(name, what):
+    _stall_report.note_rank_function("save_weights")  # as @on_rank does when it decorates
+    beats, collective = _exchange_beats(name), f"status exchange of {name}"
+    cause = (f"{what} was called on rank 0 only: rank 1 never entered it; call it on every rank, "
+             f"not under `if rank == 0:`")
+    text = _stall_report.render_report(0, collective, beats, {}, [], [1], 3)
+    assert text.splitlines()[0].startswith(cause), text
+    headline = _stall_report.headline(0, collective, beats, [], [1], "r.txt")
+    assert headline.startswith(cause) and "rank 1 is at train.py:22 (main) in barrier" in headline
+
+
+def test_a_skipped_call_is_not_claimed_for_other_exchanges_or_a_rank_inside_the_function():
+    beats = _exchange_beats("loading ckpt.pt")  # the trainer's own exchange: not an @on_rank function
+    assert _stall_report.skipped_call("status exchange of loading ckpt.pt", beats, [1]) == ""
+    _stall_report.note_rank_function("save_weights")
+    beats = _exchange_beats("save_weights")
+    beats[1] = dict(beats[1], collective=None, task="save_weights")  # rank 1 is in it (and stuck there)
+    assert _stall_report.skipped_call("status exchange of save_weights", beats, [1]) == ""

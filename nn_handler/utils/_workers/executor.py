@@ -9,7 +9,6 @@ import errno
 import inspect
 import itertools
 import os
-import sys
 import threading
 import time
 import types
@@ -20,11 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterator
 import cloudpickle
 
 from ..._checks import check_choice, check_int, check_number, invalid
+from ..._progress import progress_bar
 from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
 from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+from .sweep import Settled, cpu_pool, outcomes
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
 
@@ -220,7 +221,12 @@ class ParallelExecutor(concurrent.futures.Executor):
     Args:
         num_gpus: Number of GPUs (workers); all GPUs by default. Without CUDA,
             that many CPU workers (1 by default) with a ``RuntimeWarning``.
-        pass_device: Call functions with ``device=torch.device(...)``.
+        pass_device: Call functions with ``device=torch.device(...)``; by
+            default yes, but not with ``max_workers`` alone.
+        max_workers: That many CPU workers, functions called without a
+            device: ``ProcessPoolExecutor(max_workers=N)``'s pool. With
+            ``num_gpus``, or ``device_ids`` of another length: a
+            :class:`~nn_handler.ConfigurationError`.
         device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
         timeout: Seconds per task from when its function starts (loading it,
             e.g. its module's first import, gets as long again); a task past
@@ -256,12 +262,14 @@ class ParallelExecutor(concurrent.futures.Executor):
         [tensor([8]), tensor([10])]
     """
 
-    def __init__(self, num_gpus: int | None = None, pass_device: bool = True, *,
-                 device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
+    def __init__(self, num_gpus: int | None = None, pass_device: bool | None = None, *,
+                 max_workers: int | None = None, device_ids: Sequence[int | str] | None = None,
+                 timeout: float | None = None,
                  initializer: Callable[..., Any] | None = None, initargs: tuple = (),
                  max_tasks_per_worker: int | None = None, worker_memory_limit: int | None = None,
                  backend: str = "local", address: str | None = None):
         check_choice("backend", backend, ("local", "ray"))
+        device_ids, pass_device = cpu_pool(max_workers, num_gpus, device_ids, pass_device)
         if backend == "local":
             if address is not None:
                 raise invalid("address", "None with backend='local'", address,
@@ -411,7 +419,8 @@ class ParallelExecutor(concurrent.futures.Executor):
         return future
 
     def map(self, fn: Callable[..., R], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1, buffersize: int | None = None, progress: bool = False) -> Iterator[R]:
+            chunksize: int = 1, buffersize: int | None = None, progress: bool = False,
+            return_exceptions: bool = False) -> Iterator[R]:
         """``fn(item)`` for every item (``fn(a, b)`` over several iterables), spread over the free workers.
 
         As :meth:`concurrent.futures.Executor.map`: every item is submitted
@@ -431,7 +440,12 @@ class ParallelExecutor(concurrent.futures.Executor):
                 cost less per item for small work.
             buffersize: Chunks (items, with ``chunksize=1``) submitted ahead
                 of the result being read; ``None``: all of them at once.
-            progress: Draw a tqdm bar (items/s, ETA) on a terminal.
+            progress: Draw a tqdm bar (items/s, ETA) on a terminal; elsewhere
+                (a log file, a pipe) write a line every few seconds.
+            return_exceptions: Yield an item's exception in its place instead
+                of raising it (as ``asyncio.gather``), so a failed item loses
+                nothing else; a chunk whose worker died or timed out yields
+                that error for each of its items.
 
         Returns:
             An iterator over the results, in input order (``list(...)`` for a list).
@@ -442,7 +456,12 @@ class ParallelExecutor(concurrent.futures.Executor):
         self._pool.check_owner()
         if not iterables:
             return iter(())  # as zip() of nothing: no item, no call
-        if len(iterables) == 1:
+        if return_exceptions:  # each item's exception is caught in the worker (see .sweep)
+            star = len(iterables) > 1
+            settled = Settled(fn, _device_position(fn, self.pass_device), self.pass_device, star)
+            fn_blob = _pack(settled, None, _name(fn), self._pool.functions)
+            items = zip(*iterables) if star else iter(iterables[0])
+        elif len(iterables) == 1:
             fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions), iter(iterables[0])
         else:
             fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
@@ -456,7 +475,7 @@ class ParallelExecutor(concurrent.futures.Executor):
             raise
         if buffersize is None:
             chunks.close()  # nothing more to send: the function's files go with its last chunk
-        return _results(self, futures, chunks, end, _progress_bar(progress, total))
+        return _results(self, futures, chunks, end, _progress_bar(progress, total), bool(return_exceptions))
 
 
 def _length(iterables) -> int | None:
@@ -467,11 +486,7 @@ def _length(iterables) -> int | None:
 
 
 def _progress_bar(progress: bool, total: int | None):
-    if not progress or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="item", desc="map", file=sys.stderr)
+    return progress_bar(total, "map", "item") if progress else None
 
 
 class _MapChunks:
@@ -506,6 +521,8 @@ class _MapChunks:
                                     f"to the workers: {exc}") from exc
             raise
         self.first += sum(len(chunk) for chunk in chunks)
+        for future, chunk in zip(futures, chunks):
+            future.items = len(chunk)  # (return_exceptions: one error for each)
         with self.lock:
             self.pending += len(futures)
         for future in futures:
@@ -531,7 +548,8 @@ class _MapChunks:
             self.fn_blob.release()
 
 
-def _results(executor, futures: collections.deque, chunks: _MapChunks, end: float | None, bar) -> Iterator:
+def _results(executor, futures: collections.deque, chunks: _MapChunks, end: float | None, bar,
+             settle: bool = False) -> Iterator:
     """The items of each chunk's result in order, one more chunk submitted per chunk read while ``chunks`` is
     open (``buffersize``). Nothing is held once yielded: a result the caller dropped is freed at once. Closed
     early, the chunks not started are cancelled."""
@@ -542,15 +560,23 @@ def _results(executor, futures: collections.deque, chunks: _MapChunks, end: floa
                 futures.extend(chunks.submit(1) or chunks.close() or ())
             try:
                 chunk = future.result(None if end is None else end - time.monotonic())
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                if future.done():
+            except (TimeoutError, concurrent.futures.TimeoutError) as exc:
+                if not future.done():
+                    raise TimeoutError(f"map of {chunks.name}: results not in within its timeout") from None
+                if not settle:
                     raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
-                raise TimeoutError(f"map of {chunks.name}: results not in within its timeout") from None
+                chunk = [exc] * future.items
+            except Exception as exc:
+                if not settle:
+                    raise
+                chunk = [exc] * future.items  # its worker died: every item of it failed so
             finally:
                 future.cancel()  # (past the map's timeout: it will not be read)
                 del future
             if bar is not None:
                 bar.update(len(chunk))
+            if settle:
+                chunk = outcomes(chunk, chunks.name)
             chunk.reverse()
             while chunk:
                 yield chunk.pop()

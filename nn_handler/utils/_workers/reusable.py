@@ -13,7 +13,9 @@ import functools
 import os
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Literal, Protocol, Sequence, cast, overload
+import weakref
+from typing import (TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterator, Literal, Protocol, Sequence, cast,
+                    overload)
 
 from ..._checks import check_choice, check_int, check_number, invalid
 from .executor import P, R, ParallelExecutor, _check_timeout, _worker_devices
@@ -108,10 +110,41 @@ class _WarmPools:
 _warm_pools = _WarmPools()
 
 
+class _Mapping:
+    """The results of a decorated function's ``map``; its warm pool counts it as a user until it is read to the
+    end, fails, is closed or is dropped (so the pool does not expire under a long sweep)."""
+
+    def __init__(self, results: Iterator, release: Callable[[bool], None]):
+        self._results, self._release = results, release
+        # Dropped unread: let the pool go without waiting (a finalizer must not block the collector).
+        self._finalizer = weakref.finalize(self, release, False)
+
+    def __iter__(self) -> "_Mapping":
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._results)
+        except BaseException:  # StopIteration included: the map is over
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop reading: the items not started are cancelled, the pool is let go."""
+        if self._finalizer.detach() is not None:
+            self._results.close()
+            self._release(True)
+
+
 class ParallelFunction(Protocol[P, R]):
-    """What :func:`parallelize_on_gpus` returns: the function, giving one result per device, and ``shutdown``."""
+    """What :func:`parallelize_on_gpus` returns: the function, giving one result per device, ``map`` and
+    ``shutdown``."""
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
+
+    def map(self, *iterables: Iterable[Any], chunksize: int = 1, progress: bool = False,
+            return_exceptions: bool = False) -> Iterator[R]:
+        """One call per item (not per device), spread over the warm workers: see :meth:`ParallelExecutor.map`."""
 
     def shutdown(self) -> None:
         """End the warm pool now instead of after ``keep_alive`` idle seconds."""
@@ -182,7 +215,11 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         The decorator (used bare: the decorated function). The decorated
         function takes ``func``'s arguments but the device (typed with its
         ``ParamSpec``: see :class:`DeviceDecorator`) and returns a list of its
-        results, one per device; its ``shutdown()`` ends the warm pool now.
+        results, one per device; its ``map(items, chunksize=, progress=,
+        return_exceptions=)`` calls it once per item instead, spread over the
+        same warm workers, each with its own device, results in input order
+        (as :meth:`ParallelExecutor.map`: a sweep); its ``shutdown()`` ends the
+        warm pool now.
 
     Example:
         >>> @parallelize_on_gpus(device_ids=["cpu", "cpu"])
@@ -190,6 +227,8 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         ...     return data.to(device) * 2
         >>> process_on_gpu(torch.tensor([1, 2, 3]))   # doctest: +SKIP
         [tensor([2, 4, 6]), tensor([2, 4, 6])]
+        >>> list(process_on_gpu.map([torch.tensor([1]), torch.tensor([2])]))   # doctest: +SKIP
+        [tensor([2]), tensor([4])]
     """
     if callable(num_gpus) and not isinstance(num_gpus, int):
         # Used bare: @parallelize_on_gpus
@@ -235,6 +274,22 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
             finally:
                 _warm_pools.release(key, executor, keep_alive)
 
+        def map_(*iterables: Iterable[Any], chunksize: int = 1, progress: bool = False,
+                 return_exceptions: bool = False) -> Iterator[R]:
+            options = dict(chunksize=chunksize, progress=progress, return_exceptions=return_exceptions)
+            if keep_alive == 0:
+                executor = make().start()
+                release = lambda wait: executor.shutdown(wait=wait)  # noqa: E731
+            else:
+                executor = _warm_pools.get(key, make)
+                release = lambda wait: _warm_pools.release(key, executor, keep_alive)  # noqa: E731
+            try:
+                return _Mapping(executor.map(func, *iterables, **options), release)
+            except BaseException:  # a bad option or an item that cannot be pickled: nothing runs
+                release(True)
+                raise
+
+        wrapper.map = map_  # type: ignore[attr-defined]
         # Ends the warm pool now instead of after keep_alive idle seconds (it is
         # shared with other functions decorated with the same devices).
         wrapper.shutdown = lambda: _warm_pools.close(key)  # type: ignore[attr-defined]

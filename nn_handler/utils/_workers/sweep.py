@@ -1,0 +1,107 @@
+"""Sweeps: a CPU pool sized as ``ProcessPoolExecutor`` sizes it, and maps that keep every item's outcome.
+
+- :func:`cpu_pool`: ``ParallelExecutor(max_workers=N)`` is N CPU workers whose functions are called without
+  a device, as ``ProcessPoolExecutor(max_workers=N)``; given with ``num_gpus`` or ``device_ids`` it must agree.
+- ``map(..., return_exceptions=True)`` (as ``asyncio.gather`` has it): the function runs inside
+  :class:`Settled`, which catches an item's exception in the worker and returns it as a :class:`Raised`
+  record, so one failed item fails nothing else of its chunk; :func:`outcomes` turns the records back into
+  the error a plain ``map`` would have raised (the task's own exception type, also a
+  :class:`~nn_handler.ParallelExecutionError`, the worker's traceback its ``__cause__``).
+
+Example:
+    >>> cpu_pool(4, None, None, None)
+    (['cpu', 'cpu', 'cpu', 'cpu'], False)
+    >>> cpu_pool(None, None, [0, 1], None)
+    ([0, 1], True)
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..._checks import check_int
+from ...errors import ConfigurationError, ParallelExecutionError, RankFailure
+
+__all__ = ["cpu_pool", "Settled", "Raised", "outcomes"]
+
+
+def cpu_pool(max_workers: int | None, num_gpus: int | None, device_ids: Sequence[int | str] | None,
+             pass_device: bool | None) -> tuple[Sequence[int | str] | None, bool]:
+    """The ``device_ids`` and ``pass_device`` that ``max_workers`` stands for; raises where they disagree.
+
+    ``pass_device`` not given (``None``): ``False`` with ``max_workers`` alone (called as a process pool
+    calls), ``True`` otherwise (as before).
+    """
+    check_int("max_workers", max_workers, minimum=1, allow_none=True)
+    if max_workers is None:
+        return device_ids, True if pass_device is None else bool(pass_device)
+    if num_gpus is not None:
+        raise ConfigurationError(f"max_workers={max_workers} and num_gpus={num_gpus} both size the pool; give "
+                                 f"max_workers for CPU workers, or num_gpus / device_ids for one worker per device")
+    if device_ids is None:
+        return ["cpu"] * max_workers, False if pass_device is None else bool(pass_device)
+    if isinstance(device_ids, (str, int)) or len(device_ids) != max_workers:
+        raise ConfigurationError(f"max_workers={max_workers} disagrees with device_ids={device_ids!r} (one worker "
+                                 f"per device); give one of them")
+    return device_ids, True if pass_device is None else bool(pass_device)
+
+
+@dataclass(frozen=True, slots=True)
+class Raised:
+    """An item's exception, caught in the worker: its record and the pickled exception (``None``: not rebuildable)."""
+
+    record: RankFailure
+    blob: bytes | None
+
+
+class Settled:
+    """``func`` called as the worker calls a map's function, its exception returned as a :class:`Raised`.
+
+    Only ``Exception``: an interrupt or ``SystemExit`` still ends the task, as in ``asyncio.gather``.
+    """
+
+    def __init__(self, func, position: int | None, pass_device: bool, star: bool):
+        if not callable(func):
+            raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
+        self.func, self.position, self.pass_device, self.star = func, position, pass_device, star
+
+    def __call__(self, item, device=None):
+        from . import worker  # (loaded in every worker already)
+
+        args = tuple(item) if self.star else (item,)
+        try:
+            return worker.call_with_device((self.func, self.position), args, {}, device, self.pass_device)
+        except Exception as exc:
+            index = worker.worker_index()
+            record, blob = worker._failure(0 if index is None else index, _device_name(device), exc,
+                                           traceback.format_exc())
+            return Raised(record, blob)
+
+
+def _device_name(device) -> str:
+    if device is not None:
+        return str(device)
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else "cpu"
+
+
+def outcomes(values: list, name: str) -> list:
+    """A chunk's results with each :class:`Raised` turned into the error a plain ``map`` raises for it."""
+    return [_error(value, name) if isinstance(value, Raised) else value for value in values]
+
+
+def _error(raised: Raised, name: str) -> BaseException:
+    from . import transport
+
+    exc = None
+    if raised.blob is not None:
+        try:  # a class this process cannot import: the record alone tells it
+            exc = transport.loads(raised.blob)
+        except Exception:
+            exc = None
+    record = raised.record
+    return ParallelExecutionError.create([record], {} if exc is None else {record.rank: exc}, function=name)
+

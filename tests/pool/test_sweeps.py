@@ -1,0 +1,123 @@
+"""Sweeps as people run them: ``max_workers``, ``map(return_exceptions=True)`` and ``fn.map`` of the decorator."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import pids_alive
+from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError, parallelize_on_gpus
+from nn_handler.errors import ConfigurationError, RemoteTraceback
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def pid_of():
+    return os.getpid()
+
+
+def score(lr):
+    if lr < 0:
+        raise ValueError(f"negative learning rate {lr}")
+    return lr * 10
+
+
+def score_or_die(lr):
+    if lr == 13:
+        os._exit(3)
+    return score(lr)
+
+
+def where(x, device):
+    return x, str(device)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ex = ParallelExecutor(max_workers=2, timeout=60).start()
+    pids = ex.run(pid_of)
+    yield ex
+    ex.shutdown()
+    assert not pids_alive(pids)
+
+
+# ----------------------------------------------------------------------------- max_workers
+def test_max_workers_is_n_cpu_workers_whose_functions_take_no_device(pool):
+    assert pool.devices == ["cpu", "cpu"] and pool.num_workers == 2 and not pool.pass_device
+    assert pool.submit(pow, 2, 10).result() == 1024  # pow takes no device
+    assert list(pool.map(score, [1, 2, 3])) == [10, 20, 30]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_workers=2, num_gpus=2), ["max_workers=2", "num_gpus=2"]),
+    (dict(max_workers=3, device_ids=["cpu", "cpu"]), ["max_workers=3", "device_ids=['cpu', 'cpu']"]),
+])
+def test_max_workers_with_another_pool_size_is_a_configuration_error(kwargs, words):
+    with pytest.raises(ConfigurationError) as info:
+        ParallelExecutor(**kwargs)
+    assert all(word in str(info.value) for word in words) and "give" in str(info.value)
+
+
+def test_max_workers_agreeing_with_device_ids_passes_the_device_as_before():
+    ex = ParallelExecutor(max_workers=2, device_ids=["cpu", "cpu"])  # (nothing started)
+    assert ex.devices == ["cpu", "cpu"] and ex.pass_device
+    ex.shutdown()
+    with pytest.raises(ValueError, match="max_workers"):
+        ParallelExecutor(max_workers=0)
+
+
+# ----------------------------------------------------------------------------- return_exceptions
+@pytest.mark.parametrize("chunksize", [1, 3])
+def test_return_exceptions_yields_each_items_result_or_its_error_in_order(pool, chunksize):
+    out = list(pool.map(score, [1, -2, 3, 4, -5, 6], chunksize=chunksize, return_exceptions=True))
+    assert [o for i, o in enumerate(out) if i not in (1, 4)] == [10, 30, 40, 60]  # the rest of a chunk too
+    for i, lr in ((1, -2), (4, -5)):
+        err = out[i]
+        assert isinstance(err, ValueError) and isinstance(err, ParallelExecutionError), err
+        assert err.args == (f"negative learning rate {lr}",)
+        assert isinstance(err.__cause__, RemoteTraceback) and "score" in err.__cause__.tb
+    with pytest.raises(ValueError):  # without it: the first failure ends the map, as before
+        list(pool.map(score, [1, -2, 3]))
+
+
+def test_return_exceptions_over_several_iterables(pool):
+    out = list(pool.map(divmod, [7, 1], [2, 0], return_exceptions=True))
+    assert out[0] == (3, 1) and isinstance(out[1], ZeroDivisionError)
+
+
+def test_return_exceptions_a_dead_worker_fails_only_its_item():
+    with ParallelExecutor(max_workers=2, timeout=60) as ex:
+        out = list(ex.map(score_or_die, [1, 13, 2, 3], return_exceptions=True))
+        assert out[0] == 10 and out[2:] == [20, 30]
+        assert isinstance(out[1], WorkerDiedError) and "exit code 3" in str(out[1])
+
+
+# ----------------------------------------------------------------------------- fn.map
+def test_decorated_function_map_spreads_one_call_per_item_over_its_warm_workers(capsys, monkeypatch):
+    monkeypatch.setattr("nn_handler._progress.INTERVAL_S", 0.0)
+
+    @parallelize_on_gpus(device_ids=["cpu", "cpu"], keep_alive=30)
+    def trial(x, device):
+        if x == 3:
+            raise KeyError(x)
+        return x * x, str(device), os.getpid()
+
+    try:
+        out = list(trial.map(range(6), chunksize=2, progress=True, return_exceptions=True))
+        assert [o[0] for i, o in enumerate(out) if i != 3] == [0, 1, 4, 16, 25]
+        assert {o[1] for i, o in enumerate(out) if i != 3} == {"cpu"}
+        assert isinstance(out[3], KeyError) and isinstance(out[3], ParallelExecutionError)
+        assert "map: 6/6 items (100%)" in capsys.readouterr().err
+        pids = {o[2] for i, o in enumerate(out) if i != 3}
+        assert pids <= {p for _, _, p in trial(0)}  # the decorator's own warm workers
+        with pytest.raises(KeyError):
+            list(trial.map([1, 3]))
+    finally:
+        trial.shutdown()
+    assert not pids_alive(list(pids))
+
+
+def test_decorated_function_map_with_a_fresh_pool_each_time():
+    fresh = parallelize_on_gpus(device_ids=["cpu"], keep_alive=0)(where)
+    assert list(fresh.map([1, 2])) == [(1, "cpu"), (2, "cpu")]
