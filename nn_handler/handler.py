@@ -76,7 +76,8 @@ class NNHandler:
         model: The model (moved to ``device``; a wrapped model is unwrapped first).
         optimizer: An optimizer instance, or an optimizer class (or any
             ``callable(params, **optimizer_kwargs)``) to build over the model's parameters.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch); None: the output's own
+            ``loss`` (a Hugging Face model given ``"labels"``). A mapping batch is called as ``model(**batch)``.
         device: ``"auto"`` (this rank's GPU, else CPU) or anything
             :func:`~nn_handler.resolve_device` accepts.
         use_distributed: ``None`` follows the launch environment, ``False``
@@ -391,8 +392,6 @@ class NNHandler:
                                      "build a new NNHandler to train again")
         if self.train_loader is None:
             raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
-        if self.loss_fn is None:
-            raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn() before train()")
         if not self._trainable():
             raise ConfigurationError(
                 f"{type(self.module).__name__} has no trainable parameters, so there is nothing to train"
@@ -480,7 +479,7 @@ class NNHandler:
         return evaluation.evaluate(self._parts(), self.config, loader)
 
     def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
-                device_ids: Sequence[int | str] | None = None) -> torch.Tensor:
+                device_ids: Sequence[int | str] | None = None) -> Any:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -500,7 +499,7 @@ class NNHandler:
                 ``["cpu", "cpu"]`` for CPU workers).
 
         Returns:
-            The concatenated outputs (the model must return a tensor).
+            The concatenated outputs: a tensor, or for a mapping output (``ModelOutput``) that mapping of tensors.
 
         Example:
             >>> import torch
