@@ -46,7 +46,7 @@ from ._training.config import Resume, TrainingConfig, check_for_device, config_p
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
-from ._training.sharded_checkpoint import load_model
+from ._training.sharded_checkpoint import check_every_rank_runs, load_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -454,6 +454,7 @@ class NNHandler:
         validate_every = check_int("validate_every", validate_every, minimum=1)
         self._check_ready()
         parts, state = self._parts(), self._state
+        check_every_rank_runs(parts, "NNHandler.train")  # refused at once inside on_rank
         if state.start_pending:
             R.start_run(parts, self.config, state)
             state.start_pending = False  # only once it succeeded: a refused directory stays refused
