@@ -441,8 +441,8 @@ class NNHandler:
             The History (all epochs, including those before a resume).
 
         Raises:
-            ConfigurationError: No limit or a bad one; no training data, loss
-                function or optimizer; no trainable parameters; no batches;
+            ConfigurationError: No limit or a bad one; no training data or optimizer; no loss_fn and no loss
+                in the model's output (at the first batch); no trainable parameters; no batches;
                 ranks given different numbers of batches.
             NonFiniteLossError: The loss became NaN or infinite (on every rank).
             TrainingPreempted: A preemption signal arrived (with
