@@ -173,9 +173,13 @@ class InputsOnly(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *batch):
-        inputs, _ = B.split(batch if len(batch) > 1 else batch[0])
-        return B.call(self.model, inputs)
+    def forward(self, *batch, **named):
+        # parallel_predict calls a model with a mapping batch as model(**batch), which is what it needs.
+        inputs, _ = B.split(batch if len(batch) > 1 else batch[0]) if batch else (named, None)
+        out = B.call(self.model, inputs)
+        if isinstance(out, Mapping):  # as predict(): its batched tensors, scalars such as the loss left out
+            return _as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+        return out
 
 
 def _assemble(parts: list, n: int) -> torch.Tensor:

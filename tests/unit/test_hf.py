@@ -180,3 +180,13 @@ def test_bf16_and_compile_train_dict_batches():
     bf16.train(2, progress=False)
     torch.testing.assert_close(torch.tensor(bf16.history["train_loss"]),
                                torch.tensor(plain.history["train_loss"]), rtol=2e-2, atol=2e-2)
+
+
+def test_predict_data_parallel_feeds_dict_batches_as_keywords_and_returns_the_same_output():
+    model = H.gpt2().eval()
+    samples = H.lm_samples(6)
+    handler = NNHandler(model, device="cpu")
+    spread = handler.predict(samples, batch_size=2, data_parallel=True, device_ids=["cpu", "cpu"])
+    here = handler.predict(samples, batch_size=2)
+    assert type(spread) is type(here) and list(spread.keys()) == list(here.keys()) == ["logits"]
+    torch.testing.assert_close(spread.logits, here.logits, **TOL)
