@@ -1,4 +1,4 @@
-"""A tiny Hugging Face GPT-2 on 2 spawned gloo ranks, DDP and FSDP: dict batches, its own loss, export.
+"""A tiny Hugging Face GPT-2 on 2 spawned gloo ranks, DDP (compiled too) and FSDP: dict batches, its own loss, export.
 
 The reference is the same handler in this (group-less) process with the global batch: 2 ranks of 4 unshuffled
 samples see together what one process sees in a batch of 8; every sample has as many label tokens, so the mean
@@ -49,6 +49,13 @@ def _ranks(rank, root):
         handler.train(EPOCHS, progress=False)
         out[name] = _outcome(handler)
         handler.export_model(Path(root) / f"{name}.pt")
+    # compile=True with the eager backend: torch.compile's capture of model(**batch) under DDP, without
+    # inductor; training alone (an evaluation would compile the model's eval mode too).
+    compiled = _build(PER_RANK, compile=True, compile_kwargs={"backend": "eager"})
+    compiled.val_loader = None
+    compiled.train(EPOCHS, progress=False)
+    out["compiled"] = {"train_loss": compiled.history["train_loss"],
+                       "weights": {k: v.detach().clone() for k, v in compiled.module.state_dict().items()}}
     # FSDP: stopped at max_steps, then resumed from its sharded checkpoint by a new handler.
     ckpt = Path(root) / "ckpt"
     _build(PER_RANK, strategy="fsdp", fsdp_wrap=[GPT2Block], checkpoint_dir=ckpt, seed=0).train(
@@ -70,6 +77,10 @@ def test_a_gpt2_trains_under_ddp_and_fsdp_as_in_one_process_and_exports_to_a_fre
     # AdamW divides by the gradients' root mean square: two ranks' summation order moves the weights by ~1e-4.
     near = {"rtol": 1e-4, "atol": 3e-4}
     for r in results:
+        torch.testing.assert_close(torch.tensor(r["compiled"]["train_loss"]),
+                                   torch.tensor(expected["history"]["train_loss"]), **tol, msg="compiled")
+        for key, value in expected["weights"].items():
+            torch.testing.assert_close(r["compiled"]["weights"][key], value, **near, msg=f"compiled {key}")
         for name in ("ddp", "fsdp", "resumed"):
             got = r[name]
             for key in ("train_loss", "val_loss"):
