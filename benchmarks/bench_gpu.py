@@ -232,7 +232,7 @@ def _wrapped_epoch(model, opt, loader, loss_fn, backward, device: torch.device):
 
 
 def hf_trainer(c: dict, precision: str, device: torch.device):
-    """The Hugging Face ``Trainer``, set to train as the others do: AdamW (torch's), no clipping, no logging or saving."""
+    """The Hugging Face ``Trainer``, set to train as the others do: torch's AdamW, no clipping, logging or saving."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments

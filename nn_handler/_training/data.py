@@ -45,7 +45,8 @@ def make_loader(data: Any, loader_kwargs: dict, parallel: MultiGPUConfig, *, shu
     else:
         if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
             data = TensorDataset(*data)
-        # A list of samples (dicts) or a Hugging Face datasets.Dataset: map-style to a DataLoader, not Dataset subclasses.
+        # A list of samples (dicts) or a Hugging Face datasets.Dataset: map-style datasets
+        # to a DataLoader, though not Dataset subclasses.
         if not isinstance(data, Dataset) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")
                                                   and not isinstance(data, (str, bytes, Mapping))):
             raise TypeError(

@@ -113,7 +113,8 @@ class Precision:
 
         Example:
             >>> p = Precision("cpu", torch.bfloat16)
-            >>> out = p.convert_output({"logits": torch.ones(1, dtype=torch.bfloat16), "ids": torch.ones(1, dtype=torch.long)})
+            >>> out = p.convert_output({"logits": torch.ones(1, dtype=torch.bfloat16),
+            ...                         "ids": torch.ones(1, dtype=torch.long)})
             >>> out["logits"].dtype, out["ids"].dtype
             (torch.float32, torch.int64)
         """
