@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu.py                     # --part all: the training race, then the results part
     python benchmarks/bench_gpu.py --part train --rounds 5 --models lm
+    python benchmarks/bench_gpu.py --part train --models gpt2     # HF GPT-2 124M, bf16, beside the HF Trainer
     python benchmarks/bench_gpu.py --quick             # tiny sizes, 2 rounds: runs on a CPU too (checks the script)
     python benchmarks/bench_gpu.py --part train --profile   # also: cudaStreamSynchronize calls per step
 
@@ -21,6 +22,15 @@ hand-written loop of the same precision.
 
 Targets (from issue 28, on a GPU): NNHandler >= 0.98x the hand-written loop
 on the transformer, in fp16 and in bf16.
+
+A third model, ``gpt2`` (issue 37): a Hugging Face ``GPT2LMHeadModel`` of the
+124M config (12 layers, d=768, vocab 50257; random init), seq 512, batch 8,
+in bf16, fed dict batches ``{"input_ids", "labels"}`` and trained on the
+model's own ``loss`` (NNHandler with no ``loss_fn``). The Hugging Face
+``Trainer`` joins the race there (AdamW, no clipping, no logging or saving;
+each timed epoch is one ``trainer.train()``, its set-up included). Targets:
+NNHandler >= 0.98x the hand-written loop and >= the ``Trainer``. Needs
+``transformers``; skipped, and said so, without it.
 
 Part 2, ``results``: the executor's CUDA result throughput against a
 page-locked copy on the same GPU. It lives in ``benchmarks/gpu_results.py``
@@ -46,6 +56,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 PRECISIONS = ("fp16", "bf16")
+CASE_PRECISIONS = {"gpt2": ("bf16",)}  # the issue's case: GPT-2 is trained in bf16
 _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -72,6 +83,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def case(name: str, quick: bool) -> dict:
     """The model factory, loss, data and batch size of a case (``quick``: tiny sizes for a CPU check)."""
+    if name == "gpt2":
+        return gpt2_case(quick)
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
         width, batch, n = (64, 16, 8 * 16) if quick else (512, 64, 200 * 64)
@@ -85,6 +98,49 @@ def case(name: str, quick: bool) -> dict:
     return {"title": f"transformer LM {layers} layers, d={d}, seq {seq}, batch {batch}, vocab {vocab}",
             "model": lambda: TinyLM(vocab, d, layers, heads, seq), "loss": lm_loss,
             "data": TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), "batch": batch}
+
+
+class DictTokens(torch.utils.data.Dataset):
+    """Token rows as Hugging Face batches: ``{"input_ids", "labels"}`` (the model shifts the labels)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def gpt2_case(quick: bool) -> dict:
+    """GPT-2 124M (random init) at seq 512, batch 8; ``quick``: 2 layers, d=64, seq 32, for a CPU check."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if quick:
+        config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32, use_cache=False)
+        seq, batch, steps = 32, 4, 6
+    else:
+        config = GPT2Config(use_cache=False)  # the 124M model's sizes are the config's defaults
+        seq, batch, steps = 512, 8, 40
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    tokens = torch.randint(0, config.vocab_size, (steps * batch, seq), generator=torch.Generator().manual_seed(0))
+    return {"title": f"HF GPT-2 {config.n_layer} layers, d={config.n_embd}, seq {seq}, batch {batch}, "
+                     f"vocab {config.vocab_size}, dict batches, the model's own loss",
+            "model": lambda: GPT2LMHeadModel(config), "loss": None, "data": DictTokens(tokens), "batch": batch,
+            "hf": True}
+
+
+def _loss(model, batch, loss_fn, device=None):
+    """A batch's loss: ``model(**batch).loss`` for a dict batch, else ``loss_fn(model(x), y)`` (moved when asked)."""
+    if isinstance(batch, dict):
+        if device is not None:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        return model(**batch).loss
+    x, y = batch
+    if device is not None:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return loss_fn(model(x), y)
 
 
 # ----------------------------------------------------------------------------- the contenders
@@ -104,10 +160,9 @@ def hand_written(c: dict, precision: str, device: torch.device):
     def epoch():
         model.train()
         total = torch.zeros((), device=device)
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for batch in loader:
             with torch.autocast(device.type, dtype=_DTYPE[precision]):
-                loss = loss_fn(model(x), y)
+                loss = _loss(model, batch, loss_fn, device)
             opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -165,8 +220,8 @@ def _wrapped_epoch(model, opt, loader, loss_fn, backward, device: torch.device):
 
     def epoch():
         total = torch.zeros((), device=device)
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
+        for batch in loader:
+            loss = _loss(model, batch, loss_fn)
             opt.zero_grad(set_to_none=True)
             backward(loss)
             opt.step()
@@ -176,12 +231,31 @@ def _wrapped_epoch(model, opt, loader, loss_fn, backward, device: torch.device):
     return epoch
 
 
+def hf_trainer(c: dict, precision: str, device: torch.device):
+    """The Hugging Face ``Trainer``, set to train as the others do: torch's AdamW, no clipping, logging or saving."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="bench_hf_"), per_device_train_batch_size=c["batch"], num_train_epochs=1,
+        learning_rate=1e-4, weight_decay=0.01, optim="adamw_torch", max_grad_norm=0.0, lr_scheduler_type="constant",
+        bf16=precision == "bf16", fp16=precision == "fp16", use_cpu=device.type == "cpu", report_to=[],
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_drop_last=True,
+        dataloader_pin_memory=device.type == "cuda")
+    trainer = Trainer(model=c["model"](), args=args, train_dataset=c["data"])
+    return lambda: trainer.train()
+
+
 CONTENDERS = {
     "hand-written": (hand_written, ()),
     "NNHandler": (nn_handler, ()),
     "Lightning Fabric": (fabric, ("lightning", "lightning_fabric")),
     "Accelerate": (accelerate, ("accelerate",)),
+    "HF Trainer": (hf_trainer, ("transformers",)),  # Hugging Face models only: the gpt2 case
 }
+HF_ONLY = {"HF Trainer"}
 BASELINE = "hand-written"
 
 
@@ -198,6 +272,7 @@ def race(case_name: str, precision: str, names: list[str], device: torch.device,
          profile: bool) -> dict:
     """Median steps/s of each contender and its median per-round ratio to the hand-written loop."""
     c = case(case_name, quick)
+    names = [n for n in names if n not in HF_ONLY or c.get("hf")]
     steps = len(c["data"]) // c["batch"]
     epochs, failed = {}, {}
     for name in names:
@@ -264,7 +339,7 @@ def results_part(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("train", "results", "all"), default="all")
-    parser.add_argument("--models", nargs="+", choices=("mlp", "lm"), default=["mlp", "lm"])
+    parser.add_argument("--models", nargs="+", choices=("mlp", "lm", "gpt2"), default=["mlp", "lm", "gpt2"])
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 rounds (runs on a CPU)")
@@ -283,8 +358,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"not installed, skipped: {', '.join(skipped)} (pip install 'nn_handler[bench]')")
         rounds = 2 if args.quick else args.rounds
         for case_name in args.models:
+            if case_name == "gpt2" and not _installed(("transformers",)):
+                print("\ngpt2: transformers is not installed, skipped (pip install 'nn_handler[bench]')")
+                continue
             for precision in args.precisions:
-                race(case_name, precision, names, device, rounds, args.quick, args.profile)
+                if precision in CASE_PRECISIONS.get(case_name, PRECISIONS):
+                    race(case_name, precision, names, device, rounds, args.quick, args.profile)
     if args.part in ("results", "all"):
         results_part(rest + (["--quick"] if args.quick and "--quick" not in rest else []))
 

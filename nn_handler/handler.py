@@ -47,7 +47,7 @@ from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
 from ._training.schedule import build_scheduler
-from ._training.sharded_checkpoint import load_model
+from ._training.sharded_checkpoint import check_every_rank_runs, load_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -78,7 +78,8 @@ class NNHandler:
         model: The model (moved to ``device``; a wrapped model is unwrapped first).
         optimizer: An optimizer instance, or an optimizer class (or any
             ``callable(params, **optimizer_kwargs)``) to build over the model's parameters.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch); None: the output's own
+            ``loss`` (a Hugging Face model given ``"labels"``). A mapping batch is called as ``model(**batch)``.
         device: ``"auto"`` (this rank's GPU, else CPU) or anything
             :func:`~nn_handler.resolve_device` accepts.
         use_distributed: ``None`` follows the launch environment, ``False``
@@ -388,8 +389,6 @@ class NNHandler:
                                      "build a new NNHandler to train again")
         if self.train_loader is None:
             raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
-        if self.loss_fn is None:
-            raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn() before train()")
         if not self._trainable():
             raise ConfigurationError(
                 f"{type(self.module).__name__} has no trainable parameters, so there is nothing to train"
@@ -441,8 +440,8 @@ class NNHandler:
             The History (all epochs, including those before a resume).
 
         Raises:
-            ConfigurationError: No limit or a bad one; no training data, loss
-                function or optimizer; no trainable parameters; no batches;
+            ConfigurationError: No limit or a bad one; no training data or optimizer; no loss_fn and no loss
+                in the model's output (at the first batch); no trainable parameters; no batches;
                 ranks given different numbers of batches.
             NonFiniteLossError: The loss became NaN or infinite (on every rank).
             TrainingPreempted: A preemption signal arrived (with
@@ -455,6 +454,7 @@ class NNHandler:
         check_int("validate_every_n_steps", validate_every_n_steps, minimum=1, allow_none=True)
         self._check_ready()
         parts, state = self._parts(), self._state
+        check_every_rank_runs(parts, "NNHandler.train")  # refused at once inside on_rank
         if state.start_pending:
             R.start_run(parts, self.config, state)
             state.start_pending = False  # only once it succeeded: a refused directory stays refused
@@ -480,7 +480,7 @@ class NNHandler:
         return evaluation.evaluate(self._parts(), self.config, loader)
 
     def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
-                device_ids: Sequence[int | str] | None = None) -> torch.Tensor:
+                device_ids: Sequence[int | str] | None = None) -> Any:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -500,7 +500,7 @@ class NNHandler:
                 ``["cpu", "cpu"]`` for CPU workers).
 
         Returns:
-            The concatenated outputs (the model must return a tensor).
+            The concatenated outputs: a tensor, or for a mapping output (``ModelOutput``) that mapping of tensors.
 
         Example:
             >>> import torch

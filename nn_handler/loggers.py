@@ -13,14 +13,16 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ._checks import check_int, invalid
 from .callbacks import Callback, TrainerView
-from .errors import MissingExtraError
+from .errors import ConfigurationError, MissingExtraError
 
 if TYPE_CHECKING:
     import torch
@@ -88,21 +90,28 @@ class TensorBoardLogger(Callback):
                 raise invalid(f"hparams[{key!r}]", "a bool, int, float or str", value)
         self._summary_writer = SummaryWriter
         self.log_dir = Path(log_dir)
+        _check_writable(self.log_dir)  # here, on every rank: not at rank 0's on_train_begin with the raw OS error
         self.log_every_n_steps = log_every_n_steps
         self.hparams = dict(hparams or {})
         self._writer: Any = None
         self._hparams_written = False
         self._step_losses: list[torch.Tensor] = []  # the micro-batches of the optimizer step under way
         self._last_step = -1
+        self._written_step = 0  # the highest global step written
 
     def on_train_begin(self, handler: TrainerView) -> None:
-        if not handler.is_main_process or self._writer is not None:
+        if not handler.is_main_process:
+            return
+        if self._writer is not None and handler.global_step < self._written_step:
+            self.close()  # a checkpoint loaded since: a new file purges the steps that follow it
+        if self._writer is not None:
             return
         # One writer (one file) for the callback's life: another train() call
         # continues it. A writer opened on a resumed run purges the later steps
         # an earlier process may have logged past its last checkpoint.
         step = handler.global_step
-        self._writer = self._summary_writer(os.fspath(self.log_dir), purge_step=step + 1 if step else None)
+        purge = step + 1 if step or self._written_step else None
+        self._writer = self._summary_writer(os.fspath(self.log_dir), purge_step=purge)
         self._hparams_written = False
 
     def on_epoch_begin(self, handler: TrainerView, epoch: int) -> None:
@@ -123,6 +132,7 @@ class TensorBoardLogger(Callback):
         # .item() waits for the device: only on the steps that are logged.
         mean = sum(float(t) for t in losses) / len(losses)
         self._writer.add_scalar("step/train_loss", mean, global_step)
+        self._written_step = max(self._written_step, global_step)
         if handler.optimizer is not None:
             for i, group in enumerate(handler.optimizer.param_groups):
                 self._writer.add_scalar(f"step/lr_group{i}", float(group["lr"]), global_step)
@@ -137,6 +147,7 @@ class TensorBoardLogger(Callback):
         for key, value in logs.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._writer.add_scalar(f"{prefix}/{key}", value, handler.global_step)
+        self._written_step = max(self._written_step, handler.global_step)
         if self.hparams and not self._hparams_written:
             self._write_hparams(logs)
         self._writer.flush()
@@ -161,3 +172,18 @@ class TensorBoardLogger(Callback):
         for summary in hparams(self.hparams, metrics):
             file_writer.add_summary(summary)
         self._hparams_written = True
+
+
+def _check_writable(log_dir: Path) -> None:
+    """Raise a ConfigurationError unless this process can create event files in ``log_dir`` (nothing is left behind)."""
+    existing = next((p for p in (log_dir, *log_dir.parents) if p.exists()), Path("."))
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(existing))
+        # A directory made and removed at once: the one test of "may create files here" that holds for root too.
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"TensorBoardLogger cannot write to log_dir {os.fspath(log_dir)!r}: {exc.strerror or exc} "
+            f"({exc.filename or existing}); pass a directory this process can create files in"
+        ) from exc

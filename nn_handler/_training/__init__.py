@@ -10,7 +10,8 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     config.py      the constructor's knobs, validated once (frozen)
     state.py       epoch, global step, stop flag, History, run identity, resume marker
     parts.py       the objects one call works on
-    data.py        loaders, samplers, batch helpers, the mid-epoch replay
+    data.py        loaders, samplers, the mid-epoch replay
+    batches.py     what a batch is (pair, lone input, mapping), how the model is called, targets and loss
     precision.py   amp: the autocast dtype, the GradScaler, FSDP's MixedPrecisionPolicy (decided once)
     step.py        one optimizer step (autocast, scaler, clipping)
     loop.py        epochs, hooks, accumulation and no_sync, finite checks, the preemption stop

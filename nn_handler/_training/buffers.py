@@ -9,6 +9,9 @@ and FSDP2 never synchronises buffers at all; so before evaluating,
 predicting or writing a checkpoint the ranks take rank 0's buffers, and a
 result on N ranks equals the exported model's in one process. Rank 0's own
 buffers never change by this, so training follows DDP's numbers exactly.
+With ``ddp_kwargs={"broadcast_buffers": False}`` each rank keeps its own
+buffers, in training and here alike: what is trained does not depend on
+whether a validation loader is set.
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -28,8 +31,8 @@ BUCKET_BYTES = 250 * 1024 * 1024
 
 def sync_buffers(parts: Parts, what: str) -> None:
     """Every rank's buffers become rank 0's; call it on every rank (a no-op in one process or without buffers)."""
-    if not parts.in_group:
-        return
+    if not parts.in_group or getattr(parts.model, "broadcast_buffers", True) is False:
+        return  # the user's DDP setting: every rank keeps its own buffers
     buffers = list(parts.module.buffers())
     if not buffers:
         return

@@ -5,46 +5,17 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from .._checks import check_int
-from .._tree import apply, tensors
 from ..checkpoint import capture_rng_state, restore_rng_state
 from ..errors import CheckpointError, ConfigurationError
 from ..utils.parallel import MultiGPUConfig, prepare_dataloader
 
 DEFAULT_BATCH_SIZE = 32
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of a batch: a pair gives both, a lone tensor or 1-tuple only inputs."""
-    if isinstance(batch, (list, tuple)):
-        if len(batch) == 2:
-            return batch[0], batch[1]
-        if len(batch) == 1:
-            return batch[0], None
-        raise ValueError(
-            f"a batch must be (inputs, targets) or inputs alone, got a {type(batch).__name__} of {len(batch)} items; "
-            f"give the loader a collate_fn that returns a pair"
-        )
-    return batch, None
-
-
-def batch_size_of(inputs: Any, targets: Any) -> int:
-    """Number of samples in a batch: the first dimension of the targets, else of the inputs."""
-    for obj in (targets, inputs):
-        first = obj if isinstance(obj, torch.Tensor) else next((t for _, t in tensors(obj)), None)
-        if first is not None and first.dim() > 0:
-            return first.shape[0]
-    raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
-
-
-def head(obj: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch-shaped object (tensors inside tuples, lists, dicts, dataclasses)."""
-    return apply(obj, lambda t: t[:n])
 
 
 def real_sample_count(loader: DataLoader) -> int | None:
@@ -74,9 +45,13 @@ def make_loader(data: Any, loader_kwargs: dict, parallel: MultiGPUConfig, *, shu
     else:
         if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
             data = TensorDataset(*data)
-        if not isinstance(data, Dataset):
+        # A list of samples (dicts) or a Hugging Face datasets.Dataset: map-style datasets
+        # to a DataLoader, though not Dataset subclasses.
+        if not isinstance(data, Dataset) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")
+                                                  and not isinstance(data, (str, bytes, Mapping))):
             raise TypeError(
-                f"data must be a DataLoader, a Dataset or a tuple of tensors, got {type(data).__name__}"
+                f"data must be a DataLoader, a Dataset (or a list of samples) or a tuple of tensors, "
+                f"got {type(data).__name__}"
             )
         check_not_empty(data, "given")
         kwargs = {"batch_size": DEFAULT_BATCH_SIZE, **loader_kwargs}

@@ -10,16 +10,16 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .._tree import to_device
 from ..errors import ConfigurationError
 from ..utils._collectives import check_collective_allowed, gather, side_group
 from ..utils.parallel import parallel_predict
+from . import batches as B
 from . import data as D
 from . import metrics as M
 from .buffers import sync_buffers
@@ -31,9 +31,7 @@ from .uneven import even_batches
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
-    if parts.loss_fn is None:
-        raise ConfigurationError("no loss function: pass loss_fn= to NNHandler or call set_loss_fn()")
-    module, loss_fn, metrics = parts.module, parts.loss_fn, config.metrics
+    module, loss_fn, metrics, precision = parts.module, parts.loss_fn, config.metrics, parts.precision
     sync_buffers(parts, "NNHandler.evaluate")  # rank 0's running statistics, as in the exported model
     was_training = module.training
     module.eval()
@@ -46,22 +44,22 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
     try:
         # The unwrapped module: DDP's forward is not needed without
         # gradients, and avoiding it keeps evaluation free of collectives.
-        with torch.no_grad(), parts.precision.autocast():
+        with torch.no_grad(), precision.autocast():
             for batch in even_batches(loader) if lockstep else loader:
-                inputs, targets = D.split_batch(to_device(batch, parts.device))
-                if targets is None:
-                    raise ConfigurationError("validation batches must be (inputs, targets) pairs; got inputs only")
-                n = D.batch_size_of(inputs, targets)
+                inputs, targets = B.split(B.move(batch, parts.device))
+                B.check_targets(inputs, targets, loss_fn, "validation")
+                n = B.size_of(inputs, targets)
                 keep = n if real is None else min(n, real - seen)
                 seen += n
                 if keep <= 0 and not lockstep:
                     break  # only DistributedSampler padding is left
-                outputs = module(inputs)
+                if 0 < keep < n:
+                    # Cut before the forward: a model's own loss then covers the real samples only.
+                    inputs, targets = B.cut(inputs, targets, keep)
+                outputs = precision.convert_output(B.call(module, inputs))
                 if keep <= 0:
                     continue
-                if keep < n:
-                    outputs, targets = D.head(outputs, keep), D.head(targets, keep)
-                losses.append(loss_fn(outputs, targets).detach())
+                losses.append(B.loss_of(outputs, targets, loss_fn).detach())
                 sizes.append(keep)
                 for values, fn in zip(metric_values, metrics.values()):
                     values.append(fn(outputs, targets))
@@ -82,8 +80,12 @@ def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[s
     return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, config.metrics).items()}
 
 
-def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.Tensor:
-    """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank."""
+def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:
+    """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
+
+    A tensor output gives one tensor; a mapping output (a Hugging Face ``ModelOutput``) the same kind
+    of mapping of its batched tensors, each concatenated (scalars such as its loss left out).
+    """
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
     real = D.real_sample_count(loader)
@@ -91,28 +93,61 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> torch.T
     sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
-    outputs = []
+    outputs, kind = [], None  # kind: the type of the model's outputs (a tensor, a ModelOutput)
     lockstep = is_sharded(module) and parts.in_group  # a sharded forward is a collective
     try:
         with torch.no_grad(), parts.precision.autocast():
             for batch in even_batches(loader) if lockstep else loader:
-                inputs, _ = D.split_batch(to_device(batch, parts.device))
-                out = module(inputs)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"predict() needs a model that returns a tensor, got {type(out).__name__}")
-                outputs.append(out.detach().cpu())
+                inputs, _ = B.split(B.move(batch, parts.device))
+                out = parts.precision.convert_output(B.call(module, inputs))
+                outputs.append(_batched_cpu(out))
+                kind = type(out)
     finally:
         module.train(was_training)
-    local = torch.cat(outputs) if outputs else None
+    local = _concat(outputs) if outputs else None
     if not isinstance(sampler, DistributedSampler) or not parts.in_group:
         if local is None:
             raise ConfigurationError("predict(): the data yielded no samples")
-        return local
+        return _as_kind(kind, local)
     indices = list(iter(sampler))
     count = real if real is not None else len(indices)
-    part = (indices[:count], local[:count] if local is not None else None)
+    part = (indices[:count], None if local is None else B.head(local, count), kind)
     parts_of_ranks = gather(side_group(), part)  # not all_gather_object: it needs numpy
-    return _assemble(parts_of_ranks, len(sampler.dataset))
+    kind = next((k for _, out, k in parts_of_ranks if out is not None), None)
+    n = len(sampler.dataset)
+    if kind is None or not issubclass(kind, Mapping):
+        return _assemble([(i, out) for i, out, _ in parts_of_ranks], n)
+    keys = next(out for _, out, _ in parts_of_ranks if out is not None).keys()
+    return _as_kind(kind, {k: _assemble([(i, None if out is None else out[k]) for i, out, _ in parts_of_ranks], n)
+                           for k in keys})
+
+
+def _batched_cpu(out: Any) -> Any:
+    """A batch's output on the CPU: a tensor, or a dict of a mapping's tensors that have a batch dimension."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().cpu()
+    if isinstance(out, Mapping):
+        kept = {k: v.detach().cpu() for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if kept:
+            return kept
+    raise TypeError(f"predict() needs a model that returns a tensor or a mapping of tensors (a Hugging Face "
+                    f"ModelOutput), got {type(out).__name__}")
+
+
+def _concat(outputs: list) -> Any:
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]}
+
+
+def _as_kind(kind: type | None, local: Any) -> Any:
+    """A dict of outputs as the mapping type the model returned (a ``ModelOutput`` takes its fields as keywords)."""
+    if kind is None or not issubclass(kind, Mapping) or kind is dict:
+        return local
+    try:
+        return kind(**local)
+    except TypeError:  # a mapping whose constructor takes no keywords
+        return local
 
 
 def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch_size: int | None,
@@ -138,9 +173,13 @@ class InputsOnly(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *batch):
-        inputs, _ = D.split_batch(batch if len(batch) > 1 else batch[0])
-        return self.model(inputs)
+    def forward(self, *batch, **named):
+        # parallel_predict calls a model with a mapping batch as model(**batch), which is what it needs.
+        inputs, _ = B.split(batch if len(batch) > 1 else batch[0]) if batch else (named, None)
+        out = B.call(self.model, inputs)
+        if isinstance(out, Mapping):  # as predict(): its batched tensors, scalars such as the loss left out
+            return _as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+        return out
 
 
 def _assemble(parts: list, n: int) -> torch.Tensor:

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int, check_number
-from .._tree import to_device
 from ..checkpoint import capture_rng_state
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils._stall import new_wait, note_step, watch_collectives, watching
 from ..utils.ddp_decorators import any_rank
+from . import batches as B
 from . import data as D
 from . import metrics as M
 from . import uneven as U
@@ -241,8 +241,8 @@ class Loop:
         # Checking a loss on the host costs a CPU-GPU sync: by default only
         # where that is free (a single CPU process); elsewhere at epoch end.
         reads = HostReads.for_device(device)
-        check_each_step = not parts.distributed and (
-            config.finite_check_every == 1 or (config.finite_check_every is None and reads.free))
+        # A finite_check_every adds its check to the free per-step one, never replaces it.
+        check_each_step = not parts.distributed and (config.finite_check_every == 1 or reads.free)
         check_every = None if check_each_step else config.finite_check_every
         max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
@@ -277,9 +277,8 @@ class Loop:
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
                         cb.on_batch_begin(view, i)
-                    inputs, targets = D.split_batch(to_device(batch, device, reads.non_blocking))
-                    if targets is None:
-                        raise ConfigurationError("training batches must be (inputs, targets) pairs; got inputs only")
+                    inputs, targets = B.split(B.move(batch, device, reads.non_blocking))
+                    B.check_targets(inputs, targets, parts.loss_fn, "training")
                     micro += 1
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
                     with gradient_sync_paused(model) if no_sync and not boundary else contextlib.nullcontext():
@@ -295,10 +294,10 @@ class Loop:
                         micro = 0
                     detached = loss.detach()
                     losses.append(detached)
-                    sizes.append(D.batch_size_of(inputs, targets))
+                    sizes.append(B.size_of(inputs, targets))
                     if metrics:
                         with torch.no_grad():
-                            out = outputs.detach()
+                            out = B.outputs_of(outputs)
                             for values, fn in zip(metric_values, metrics.values()):
                                 values.append(fn(out, targets))
                     for cb in callbacks:

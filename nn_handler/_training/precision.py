@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._checks import invalid
+from .._tree import apply
 from ..errors import ConfigurationError
 
 AMP_CHOICES = (False, True, "bf16", "fp16")
@@ -102,6 +103,24 @@ class Precision:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def convert_output(self, outputs: Any) -> Any:
+        """``outputs`` with the half-precision floats autocast left in them back in fp32 (a no-op without amp).
+
+        What evaluation and prediction return, as Lightning Fabric's precision
+        plugins convert a forward's outputs: the dtype the exported model's
+        outputs have, whatever amp the handler trained with.
+
+        Example:
+            >>> p = Precision("cpu", torch.bfloat16)
+            >>> out = p.convert_output({"logits": torch.ones(1, dtype=torch.bfloat16),
+            ...                         "ids": torch.ones(1, dtype=torch.long)})
+            >>> out["logits"].dtype, out["ids"].dtype
+            (torch.float32, torch.int64)
+        """
+        if self.dtype is None:
+            return outputs
+        return apply(outputs, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
 
     def make_scaler(self) -> torch.amp.GradScaler | None:
         """A ``GradScaler`` for fp16, else None.

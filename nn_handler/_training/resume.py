@@ -46,29 +46,13 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- writing
-_COMPILED = "_orig_mod."  # what torch.compile's wrapper (OptimizedModule) puts in front of its module's keys
-
-
-def plain_keys(weights: Mapping[str, Any]) -> dict[str, Any]:
-    """``weights`` with torch.compile's ``_orig_mod.`` taken out of every key: the keys of the plain model.
-
-    NNHandler compiles in place, so its own weights have plain keys; this
-    also reads the ``state_dict`` of a model compiled elsewhere.
-
-    Example:
-        >>> list(plain_keys({"_orig_mod.0.weight": 1, "head._orig_mod.bias": 2}))
-        ['0.weight', 'head.bias']
-    """
-    return {key.replace(_COMPILED, ""): value for key, value in weights.items()}
-
-
 def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = None) -> dict[str, Any]:
     """Everything a resume needs to continue exactly, as plain tensors and values."""
     generator = sampler_generator(parts.train_loader)
     return {
         "format": FORMAT,
         "run": {"id": state.run_id, "seq": None},  # seq: the write number in checkpoint_dir
-        "model": plain_keys(parts.module.state_dict()),
+        "model": sharded_checkpoint.plain_keys(parts.module.state_dict()),
         "optimizer": parts.optimizer.state_dict() if parts.optimizer is not None else None,
         "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
@@ -139,7 +123,7 @@ def on_main(parts: Parts, fn: Callable[[], Any], what: str,
 def export_model(parts: Parts, path) -> None:
     """The whole model's ``state_dict`` as one file from rank 0 (a sharded model's gathered first); on every rank."""
     check_collective_allowed("NNHandler.export_model")  # the gather of a sharded model hangs where not every rank is
-    write_on_main(parts, plain_keys(full_model_state(parts.module)), path, "model")
+    write_on_main(parts, sharded_checkpoint.plain_keys(full_model_state(parts.module)), path, "model")
 
 
 def write_on_main(parts: Parts, payload: Any, path, what: str) -> None:
@@ -290,10 +274,9 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     Everything that can refuse the file does so before anything changes: a
     refused load leaves the handler as it was.
     """
+    sharded_checkpoint.check_every_rank_runs(parts, "NNHandler.load_checkpoint", sharded_only=True)
     if resume:
         _check_resumable(parts, payload, path)
-    if payload.get("model"):
-        payload = {**payload, "model": plain_keys(payload["model"])}  # written from a compiled model elsewhere
     optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
     if not resume:
         return int(payload["epoch"])
@@ -347,6 +330,8 @@ def _restore_scaler(parts: Parts, saved: Mapping[str, Any] | None, path) -> None
         log.info("%s was trained with fp16 loss scaling; this handler runs %s and needs none: the scale is dropped",
                  path, parts.precision.name)
     elif parts.scaler is not None:
+        # What the message says: the scale this handler reached before the load belongs to other weights.
+        parts.scaler.load_state_dict(parts.precision.make_scaler().state_dict())
         log.info("%s holds no loss scale (not trained in fp16): this fp16 handler starts a fresh GradScaler", path)
 
 

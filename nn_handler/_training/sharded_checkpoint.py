@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from ..checkpoint import (FORMAT, SHARDED_META, TMP_MARK, atomic_save, check_weights, fsync_dir, load_payload,
                           load_weights)
 from ..errors import CheckpointError
-from ..utils._collectives import run_on_ranks, side_group
+from ..utils._collectives import check_collective_allowed, run_on_ranks, side_group
 from . import sharding as SH
 from .parts import Parts
 
@@ -101,6 +101,22 @@ def _commit(tmp: Path, path: Path, meta: dict[str, Any]) -> None:
         old.unlink()
 
 
+_COMPILED = "_orig_mod."  # what torch.compile's wrapper (OptimizedModule) puts in front of its module's keys
+
+
+def plain_keys(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """``weights`` with torch.compile's ``_orig_mod.`` taken out of every key: the keys of the plain model.
+
+    NNHandler compiles in place, so its own weights have plain keys; this
+    also reads the ``state_dict`` of a model compiled elsewhere.
+
+    Example:
+        >>> list(plain_keys({"_orig_mod.0.weight": 1, "head._orig_mod.bias": 2}))
+        ['0.weight', 'head.bias']
+    """
+    return {key.replace(_COMPILED, ""): value for key, value in weights.items()}
+
+
 def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resume: bool) -> bool:
     """Load the weights of ``payload`` (and with ``resume`` the optimizer) into ``parts``; call it on every rank.
 
@@ -120,10 +136,11 @@ def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resu
         _load_directory(parts, Path(path), with_optimizer)
         return with_optimizer
     if SH.is_sharded(parts.module):
-        SH.load_full_state(parts.module, payload["model"], parts.optimizer if with_optimizer else None,
+        SH.load_full_state(parts.module, plain_keys(payload["model"]),
+                           parts.optimizer if with_optimizer else None,
                            payload["optimizer"] if with_optimizer else None, source=str(path))
         return with_optimizer
-    load_weights(parts.module, payload["model"], source=str(path))
+    load_weights(parts.module, plain_keys(payload["model"]), source=str(path))
     return False
 
 
@@ -185,8 +202,19 @@ def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
         set_model_state_dict(module, state["model"])
 
 
+def check_every_rank_runs(parts: Parts, what: str, sharded_only: bool = False) -> None:
+    """Refuse at once, inside ``on_rank`` or ``main_process_first``, a call whose collectives need every rank.
+
+    Without this it would wait for the other ranks until the stall watchdog
+    ends it. ``sharded_only``: only a sharded (FSDP) model's call needs them.
+    """
+    if parts.in_group and (not sharded_only or SH.is_sharded(parts.module)):
+        check_collective_allowed(what)
+
+
 def load_model(parts: Parts, path: str | os.PathLike) -> None:
     """:meth:`NNHandler.load_model`: weights from a ``state_dict`` file, a checkpoint file or a checkpoint directory."""
+    check_every_rank_runs(parts, "NNHandler.load_model", sharded_only=True)  # a sharded load is a collective
     payload = load_payload(path)
     if isinstance(payload, dict) and payload.get("format") == FORMAT:
         load(parts, payload, path, resume=False)

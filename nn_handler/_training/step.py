@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigurationError
+from . import batches as B
 from .precision import Precision
 
 
@@ -24,7 +25,7 @@ class Step:
     Args:
         model: The model as trained (DDP-wrapped when distributed).
         module: The model itself (its trainable parameters are clipped).
-        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, or None: the output's own ``loss`` (:mod:`.batches`).
         optimizer: The optimizer.
         scaler: A ``GradScaler`` (fp16) or None.
         precision: The autocast dtype (or none).
@@ -32,7 +33,7 @@ class Step:
         accumulate: Micro-batches per optimizer step; the loss is divided by it.
     """
 
-    def __init__(self, model: nn.Module, module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, module: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
                  scaler: Any, precision: Precision, clip_grad_norm: float | None, accumulate: int):
         self.model, self.module, self.loss_fn, self.optimizer = model, module, loss_fn, optimizer
         self.scaler, self.precision = scaler, precision
@@ -41,11 +42,12 @@ class Step:
     def forward(self, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor]:
         """``(outputs, loss)`` of a micro-batch under autocast; the loss checked to be a scalar."""
         with self.precision.autocast():
-            outputs = self.model(inputs)
-            loss = self.loss_fn(outputs, targets)
+            outputs = B.call(self.model, inputs)
+            loss = B.loss_of(outputs, targets, self.loss_fn)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigurationError(
-                f"loss_fn must return a scalar tensor (mean over the batch), got "
+                f"{'loss_fn' if self.loss_fn is not None else 'the model'} must return a scalar tensor "
+                f"(mean over the batch), got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
         return outputs, loss

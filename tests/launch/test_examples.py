@@ -32,7 +32,7 @@ def run_example(name: str, *args: str, torchrun: bool = False, env: dict | None 
 
 
 TESTED = {"quickstart.py", "process_on_gpu.py", "matrix_multiply.py", "executor_context.py", "checkpoint_rank0.py",
-          "train_ddp.py", "predict.py", "ddp_init.py",
+          "train_ddp.py", "predict.py", "ddp_init.py", "hf_finetune.py",
           "ray_train.py"}  # needs Ray: run by tests/cluster/test_ray_train.py
 
 
@@ -142,10 +142,24 @@ def test_ddp_init_plain_python():
 
 def test_an_example_that_needs_an_extra_says_which_and_is_marked_for_the_newcomer_path(tmp_path):
     # .ci/newcomer runs every example with no extras, except those marked "# needs-extra:".
-    needing = {p.name for p in EXAMPLES.glob("*.py") if "import ray" in p.read_text()}
+    needing = {p.name for p in EXAMPLES.glob("*.py") if re.search(r"import (ray|transformers)|from transformers",
+                                                                  p.read_text())}
     marked = {p.name for p in EXAMPLES.glob("*.py") if re.search(r"^# needs-extra: ", p.read_text(), re.M)}
-    assert needing == marked == {"ray_train.py"}
+    assert needing == marked == {"ray_train.py", "hf_finetune.py"}
+    # transformers imports numpy, which the environment without extras hides.
+    result = run_command([sys.executable, str(EXAMPLES / "hf_finetune.py")], timeout=120,
+                         env=without_extras_env(tmp_path))
+    assert result.returncode == 1 and "pip install 'nn_handler[hf]'" in result.stdout
     result = run_command([sys.executable, str(EXAMPLES / "ray_train.py")], timeout=120,
                          env=without_extras_env(tmp_path))
     assert result.returncode == 1
     assert "pip install 'nn_handler[ray]' 'ray[train]'" in result.stdout
+
+
+def test_hf_finetune():
+    pytest.importorskip("transformers")
+    out = run_example("hf_finetune.py", "--epochs", "2")
+    losses = re.search(r"train_loss (\d+\.\d+) -> (\d+\.\d+)", out)
+    assert losses and float(losses[2]) < float(losses[1]), out
+    assert "predict: CausalLMOutputWithCrossAttentions logits (8, 16, 128)" in out
+    assert "load into a fresh GPT2LMHeadModel (lm_head tied: True)" in out

@@ -234,3 +234,36 @@ def test_nnhandler_stall_timeout_keyword_wins_on_an_existing_group(monkeypatch):
     monkeypatch.setenv("NN_HANDLER_STALL_TIMEOUT", "40")
     for before, retuned, kept, after in check_ranks(run_distributed(_stall_setting_body, nprocs=2, timeout=TIMEOUT)):
         assert (before, retuned, kept, after) == (40.0, 7, 7, None)
+
+
+def _buffers_setting(rank):
+    from nn_handler import NNHandler
+
+    out = {}
+    for broadcast in (True, False):
+        for validate in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+            handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cpu",
+                                ddp_kwargs={"broadcast_buffers": broadcast})
+            handler.set_train_loader(make_data(64), batch_size=8, shuffle=False)  # the ranks' batches differ
+            if validate:
+                handler.set_val_loader(make_data(16, seed=1), batch_size=8)
+            handler.train(3, progress=False)
+            out[broadcast, validate] = {k: v.detach().clone() for k, v in handler.module.state_dict().items()
+                                        if broadcast is False or "running" not in k}
+            # (With broadcast_buffers=True a rank's buffers are rank 0's after validation, its own without.)
+            handler.close()
+    return out
+
+
+def test_validation_follows_broadcast_buffers_false_and_leaves_training_as_without_it():
+    # Validation copied rank 0's buffers onto every rank whatever the setting: with broadcast_buffers=False
+    # the weights then depended on whether a validation loader was set (2.7e-2 apart).
+    results = check_ranks(run_distributed(_buffers_setting, 2, timeout=TIMEOUT))
+    for r in results:
+        for broadcast in (True, False):
+            for key, value in r[broadcast, False].items():
+                torch.testing.assert_close(r[broadcast, True][key], value, rtol=0, atol=0, msg=f"{broadcast} {key}")
+    # False is followed: each rank keeps the running statistics of its own batches.
+    assert not torch.equal(results[0][False, True]["1.running_mean"], results[1][False, True]["1.running_mean"])

@@ -735,7 +735,14 @@ def _handler_inside_on_rank(rank, strategy):
              "export_model": lambda: handler.export_model("never.pt"),
              "save_checkpoint": lambda: handler.save_checkpoint("never.ckpt"),
              "evaluate": lambda: handler.evaluate((X, y)),
-             "predict": lambda: handler.predict(X)}
+             "predict": lambda: handler.predict(X),
+             "train": lambda: handler.train(1, progress=False)}  # DDP's gradient all_reduce too
+    handler.set_train_loader((X, y), batch_size=8)
+    if strategy == "fsdp":  # a sharded load is a collective (they stalled until stall_timeout, then rank 0 exited)
+        handler.save_checkpoint("weights.ckpt")
+        handler.export_model("weights.pt")
+        calls.update(load_checkpoint=lambda: handler.load_checkpoint("weights.ckpt"),
+                     load_model=lambda: handler.load_model("weights.pt"))
     seen = {name: _outcome(on_rank(0)(call)) for name, call in calls.items()}
     return seen, handler.evaluate((X, y))["loss"]  # after: the ranks are still in step
 

@@ -146,7 +146,24 @@ def test_non_finite_loss_names_epoch_and_step_before_the_bad_update():
     assert handler.global_step == 2
 
 
-def test_non_finite_loss_checked_every_n_batches():
+def test_non_finite_loss_check_every_n_adds_to_the_per_batch_check_on_the_cpu():
+    # The docstring: a finite_check_every adds a check; on the CPU the per-batch one stays (it replaced it:
+    # the NaN of batch 2 was found after 4 optimizer steps, with the weights NaN).
+    X, y = make_data(32)
+    X[19, 0] = float("nan")
+    model = make_model()
+    handler = make_handler(model, finite_check_every=4)
+    handler.set_train_loader((X, y), batch_size=8, shuffle=False)
+    with pytest.raises(NonFiniteLossError, match=r"at epoch 1, step 2"):
+        handler.train(1, progress=False)
+    assert handler.global_step == 2  # stopped before the bad batch's step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_non_finite_loss_checked_every_n_batches_where_a_read_is_not_free(monkeypatch):
+    from nn_handler._training import readout
+
+    monkeypatch.setattr(readout.HostReads, "for_device", classmethod(lambda cls, device: cls(free=False)))
     X, y = make_data(32)
     X[19, 0] = float("nan")
     handler = make_handler(finite_check_every=4)

@@ -8,7 +8,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 import pytest
 import torch
 
-from nn_handler._training import data as training_data
+from nn_handler._training import batches as training_batches
 from nn_handler._tree import apply, combine, detach_cpu, tensors, to_device
 from nn_handler.utils._models import placement as _placement
 from nn_handler.utils._models import predict as _predict
@@ -112,7 +112,7 @@ def test_tensors_names_where_each_tensor_sits():
 
 # ----------------------------------------------------------------------------- the sites (each failed on the old walks)
 def test_training_head_keeps_namedtuples():
-    out = training_data.head(Pair(torch.arange(4), torch.arange(4) * 2), 2)
+    out = training_batches.head(Pair(torch.arange(4), torch.arange(4) * 2), 2)
     assert isinstance(out, Pair) and out.inputs.tolist() == [0, 1] and out.targets.tolist() == [0, 2]
 
 

@@ -1,0 +1,157 @@
+"""What a batch is, how the model is called with it, and where its targets and its loss come from.
+
+Three shapes of batch, asked about here by the loop, evaluation and prediction alike:
+
+- a pair ``(inputs, targets)``: ``model(inputs)``, ``loss_fn(outputs, targets)``;
+- inputs alone (a tensor, a 1-tuple): ``model(inputs)``, no targets (prediction);
+- a ``Mapping`` (``{"input_ids": ..., "labels": ...}``, a Hugging Face ``BatchEncoding``):
+  ``model(**batch)``; its targets are its ``"labels"`` entry when there is one (the
+  Hugging Face convention), else None.
+
+The loss is ``loss_fn(outputs, targets)``, or with no ``loss_fn`` the output's own
+``loss`` (an attribute, as Hugging Face's ``ModelOutput`` has, or a ``"loss"`` key), as
+the Hugging Face ``Trainer.compute_loss`` reads it. The batch size (what a loss is
+weighted by over ranks) is the first dimension of the targets, else of the first tensor
+of the inputs.
+
+Private: :class:`~nn_handler.NNHandler` is the public face.
+
+Example:
+    >>> import torch
+    >>> batch = {"x": torch.ones(3, 2), "labels": torch.zeros(3)}
+    >>> inputs, targets = split(batch)
+    >>> inputs is batch, targets.shape, size_of(inputs, targets)
+    (True, torch.Size([3]), 3)
+    >>> call(lambda x, labels: {"loss": (x.sum(1) - labels).pow(2).mean()}, inputs)["loss"]
+    tensor(4.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .._tree import apply, tensors, to_device
+from ..errors import ConfigurationError
+
+__all__ = ["split", "call", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets", "outputs_of"]
+
+NO_LOSS = ("no loss function: pass loss_fn= to NNHandler or call set_loss_fn(), or give a model that returns its "
+           "own loss (an output with a `loss` attribute or key, as Hugging Face models do when the batch holds "
+           "\"labels\")")
+
+
+def split(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch: a pair gives both, a lone tensor or 1-tuple only inputs.
+
+    A mapping is its own inputs (``model(**batch)`` gets ``"labels"`` too, to compute its loss)
+    and its ``"labels"`` are the targets.
+
+    Example:
+        >>> split((1, 2)), split([3]), split({"a": 1})
+        ((1, 2), (3, None), ({'a': 1}, None))
+    """
+    if isinstance(batch, Mapping):
+        return batch, batch.get("labels")
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) == 1:
+            return batch[0], None
+        raise ValueError(
+            f"a batch must be (inputs, targets), inputs alone or a mapping of keyword arguments, got a "
+            f"{type(batch).__name__} of {len(batch)} items; give the loader a collate_fn that returns a pair or a dict"
+        )
+    return batch, None
+
+
+def call(model: Callable, inputs: Any) -> Any:
+    """The model's outputs: ``model(**inputs)`` for a mapping, else ``model(inputs)``."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def check_targets(inputs: Any, targets: Any, loss_fn: Callable | None, what: str) -> None:
+    """Refuse a pair-less batch where ``loss_fn`` needs targets (``what``: "training" or "validation")."""
+    if targets is None and loss_fn is not None and not isinstance(inputs, Mapping):
+        raise ConfigurationError(
+            f"{what} batches must be (inputs, targets) pairs, or mappings of keyword arguments for the model; "
+            f"got inputs only")
+
+
+def own_loss(outputs: Any) -> torch.Tensor | None:
+    """The ``loss`` an output carries (attribute or key), or None.
+
+    Example:
+        >>> import torch
+        >>> own_loss({"loss": torch.tensor(1.0)}), own_loss(torch.ones(2))
+        (tensor(1.), None)
+    """
+    if isinstance(outputs, torch.Tensor):
+        return None
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    return loss
+
+
+def loss_of(outputs: Any, targets: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """``loss_fn(outputs, targets)``, or with no ``loss_fn`` the output's own loss.
+
+    Raises:
+        ConfigurationError: No ``loss_fn`` and no loss in the output (raised at the first
+            forward, before any backward or optimizer step).
+    """
+    if loss_fn is not None:
+        return loss_fn(outputs, targets)
+    loss = own_loss(outputs)
+    if loss is None:
+        raise ConfigurationError(f"{NO_LOSS}; the model returned {type(outputs).__name__} without a loss")
+    return loss
+
+
+def size_of(inputs: Any, targets: Any) -> int:
+    """Number of samples in a batch: the first dimension of the targets, else of the first tensor of the inputs.
+
+    Example:
+        >>> import torch
+        >>> size_of({"ids": torch.ones(4, 7)}, None)
+        4
+    """
+    for obj in (targets, inputs):
+        first = obj if isinstance(obj, torch.Tensor) else next((t for _, t in tensors(obj) if t.dim() > 0), None)
+        if first is not None and first.dim() > 0:
+            return first.shape[0]
+    raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
+
+
+def head(obj: Any, n: int) -> Any:
+    """The first ``n`` samples of a batch-shaped object (tensors in tuples, lists, dicts, dataclasses; scalars kept)."""
+    return apply(obj, lambda t: t[:n] if t.dim() > 0 else t)
+
+
+def cut(inputs: Any, targets: Any, n: int) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of the batch's first ``n`` samples (a mapping's labels are cut with it)."""
+    if isinstance(inputs, Mapping):
+        return split(head(inputs, n))
+    return head(inputs, n), head(targets, n)
+
+
+def move(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``batch`` with its tensors on ``device``; a mapping that is not a dict (``BatchEncoding``) becomes one."""
+    return to_device(_as_dicts(batch), device, non_blocking)
+
+
+def outputs_of(outputs: Any) -> Any:
+    """The outputs as metrics see them: every tensor inside detached (a tensor, a tuple, a ``ModelOutput``)."""
+    return apply(outputs, torch.Tensor.detach)
+
+
+def _as_dicts(obj: Any) -> Any:
+    # The tree walk rebuilds dicts but passes other mappings through (their
+    # constructors vary); the model gets **batch, for which a dict serves.
+    if isinstance(obj, Mapping) and (not isinstance(obj, dict) or any(isinstance(v, Mapping) for v in obj.values())):
+        return {k: _as_dicts(v) for k, v in obj.items()}
+    return obj
