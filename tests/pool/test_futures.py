@@ -146,8 +146,78 @@ def test_map_timeout(executor):
     time.sleep(max(0.0, begin + 2.0 - time.monotonic()))  # the late task ends before the next test
 
 
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_a_map_timeout_of_zero_or_less_gives_the_results_ready_when_read(executor, timeout):
+    # As concurrent.futures: the deadline is past at once; a result ready when read comes back, one not
+    # ready raises TimeoutError without waiting.
+    for attempt in range(1, 21):
+        results = executor.map(square, [2, 3], timeout=timeout)
+        time.sleep(0.2 * attempt)  # (both done by then, however loaded the machine)
+        try:
+            assert list(results) == [4, 9]
+            break
+        except TimeoutError:
+            continue
+    else:
+        pytest.fail(f"map(timeout={timeout}) never gave results that were ready")
+    begin = time.monotonic()
+    late = executor.map(sleep_then, [1.0], [1], timeout=timeout)
+    with pytest.raises(TimeoutError):
+        next(late)
+    assert time.monotonic() - begin < 0.9  # did not wait for it
+    time.sleep(max(0.0, begin + 1.5 - time.monotonic()))  # the late task ends before the next test
+
+
 def test_map_of_no_iterables_is_empty(executor):
     assert list(executor.map(square)) == []
+
+
+def _wait_gone(pids, within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids_alive(pids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pending", ["map kept unread", "map dropped unread", "submit"])
+def test_a_dropped_executor_runs_what_was_submitted_then_its_workers_end(kind, pending):
+    # As ProcessPoolExecutor: nothing of what the executor handed out (a future, a map's iterator) keeps its
+    # workers; dropped without shutdown(), it finishes the tasks submitted, then they end.
+    ex = _make(kind)
+    pids = sorted(_pids(ex))
+    if pending == "submit":
+        kept = ex.submit(sleep_then, 0.5, 7)
+    else:
+        kept = ex.map(sleep_then, [0.5, 0.5, 0.5], [1, 2, 3])
+    del ex
+    if pending == "map dropped unread":
+        del kept
+    gc.collect()
+    assert not _wait_gone(pids, within=20), f"{pending}: the workers of a dropped {kind} are still up"
+    if pending == "submit":
+        assert kept.result(timeout=0) == 7  # it ran to the end before they went
+    elif pending == "map kept unread":
+        assert list(kept) == [1, 2, 3]
+
+
+def test_a_lazy_map_keeps_its_dropped_executor_until_it_is_read_or_dropped():
+    # It submits as it is read (buffersize): its executor lives as long as it may.
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    pids = sorted(_pids(ex))
+    results = ex.map(square, range(6), buffersize=1)
+    del ex
+    gc.collect()
+    assert list(results) == [x * x for x in range(6)]
+    assert not _wait_gone(pids, within=20)
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    pids = sorted(_pids(ex))
+    results = ex.map(square, range(6), buffersize=1)
+    del ex
+    assert next(results) == 0
+    del results  # abandoned half-way: its executor goes with it
+    gc.collect()
+    assert not _wait_gone(pids, within=20)
 
 
 class Dummy:

@@ -150,8 +150,10 @@ class Bookkeeping:
             except (BlockingIOError, TypeError, OSError):
                 pass  # full (it will wake anyway) or no engine yet
 
-    def _busy(self) -> bool:  # (a memory probe on its way back: read now, to retire a worker above the limit)
-        if self._queue:
+    def _busy(self) -> bool:
+        # A memory probe on its way back counts (read now, to retire a worker above the limit), and so do
+        # results read and not yet in their futures: a shutdown from another thread waits for them.
+        if self._queue or not self._closed and (self._replies or self._loading):
             return True
         for slot in self._slots:
             if slot.task is not None or slot.probing:

@@ -340,6 +340,8 @@ class Scheduler(Bookkeeping):
                 if slot.incarnation == incarnation and slot.alive and slot.task is None:
                     self._drop_reply_files(slot)  # else its kill or the shutdown removes them
                 self._task_failed(task, record)
+            if self._closing and not self._busy():
+                self._idle.notify_all()  # shutdown() waits for it
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
