@@ -63,6 +63,25 @@ def pid_of(_=None):
     return os.getpid()
 
 
+class ErrorAtPickle:
+    """A result no worker can send back (as CPython's test_concurrent_futures has it)."""
+
+    def __reduce__(self):
+        raise pickle.PicklingError("error at pickle")
+
+
+def unpicklable_result():
+    return ErrorAtPickle()
+
+
+def exits(code):
+    raise SystemExit(code)
+
+
+def interrupts():
+    raise KeyboardInterrupt("stop")
+
+
 def _make(kind):
     if kind == "ProcessPoolExecutor":
         return cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
@@ -166,6 +185,14 @@ def test_a_map_timeout_of_zero_or_less_gives_the_results_ready_when_read(executo
         next(late)
     assert time.monotonic() - begin < 0.9  # did not wait for it
     time.sleep(max(0.0, begin + 1.5 - time.monotonic()))  # the late task ends before the next test
+
+
+def test_a_result_the_worker_cannot_pickle_raises_the_pickling_error(executor):
+    with pytest.raises(pickle.PicklingError, match="error at pickle"):
+        executor.submit(unpicklable_result).result(timeout=60)
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+        executor.submit(threading.Lock).result(timeout=60)
+    assert executor.submit(square, 4).result(timeout=60) == 16
 
 
 def test_map_of_no_iterables_is_empty(executor):
@@ -420,7 +447,7 @@ def test_map_read_while_another_thread_shuts_the_executor_down(fresh):
 
 
 _SUBMIT_THEN_EXIT = textwrap.dedent("""
-    import concurrent.futures as cf, multiprocessing as mp, sys, time
+    import concurrent.futures as cf, multiprocessing as mp, sys, threading, time
     from nn_handler import ParallelExecutor
 
     def touch(path):
@@ -433,16 +460,24 @@ _SUBMIT_THEN_EXIT = textwrap.dedent("""
             ex = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
         else:
             ex = ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False)
-        for i in range(6):
-            ex.submit(touch, f"{folder}/s{i}")
-        ex.map(touch, [f"{folder}/m{i}" for i in range(4)])
+        def submit_all():
+            for i in range(6):
+                ex.submit(touch, f"{folder}/s{i}")
+            return ex.map(touch, [f"{folder}/m{i}" for i in range(4)])
+
+        if how == "from-a-daemon-thread":  # never joined: its tasks still run
+            submitted = threading.Event()
+            threading.Thread(target=lambda: (submit_all(), submitted.set(), time.sleep(3600)), daemon=True).start()
+            submitted.wait()
+        else:
+            submit_all()
         if how == "shutdown-without-waiting":
             ex.shutdown(wait=False)
         print("MAIN RETURNS", flush=True)
 """)
 
 
-@pytest.mark.parametrize("how", ["no-shutdown", "shutdown-without-waiting"])
+@pytest.mark.parametrize("how", ["no-shutdown", "shutdown-without-waiting", "from-a-daemon-thread"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_program_does_not_exit_before_the_submitted_tasks_are_done(kind, how, tmp_path):
     # "Regardless of the value of wait, the entire Python program will not exit until all pending futures
@@ -461,6 +496,22 @@ def test_context_manager(fresh):
         assert ex.submit(square, 5).result(timeout=60) == 25
     with pytest.raises(RuntimeError):
         fresh.submit(square, 1)
+
+
+@pytest.mark.parametrize("fn, args, kind", [(exits, (3,), SystemExit), (interrupts, (), KeyboardInterrupt)])
+def test_systemexit_or_keyboardinterrupt_from_a_task_is_a_plain_parallel_execution_error(fn, args, kind):
+    # Where ParallelExecutor differs from the standard, as docs/executor.md says: raised in the caller, either
+    # would end its program (or read as its own Ctrl-C) for what happened in a worker, which is replaced.
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=60) as ex:
+        for call in (lambda: ex.submit(fn, *args).result(timeout=60), lambda: ex.run(fn, *args)):
+            before = ex.run(pid_of)
+            with pytest.raises(ParallelExecutionError) as info:
+                call()
+            assert type(info.value) is ParallelExecutionError and not isinstance(info.value, kind)
+            assert info.value.failures[0].exc_type == kind.__name__
+            assert f"{fn.__name__} failed on rank 0" in str(info.value) and kind.__name__ in str(info.value)
+            assert isinstance(info.value.exceptions[0], kind)  # the task's own exception, kept
+            assert ex.run(pid_of) != before  # its worker ended, and was replaced
 
 
 # ----------------------------------------------------------------------------- what ParallelExecutor adds
