@@ -228,6 +228,28 @@ def test_a_dropped_executor_runs_what_was_submitted_then_its_workers_end(kind, p
         assert list(kept) == [1, 2, 3]
 
 
+def _slow_load(x):
+    time.sleep(0.05)
+    return x
+
+
+class SlowToLoad:
+    """A result the caller takes a while to unpickle (outside the pool's lock)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __reduce__(self):
+        return _slow_load, (self.x,)
+
+
+def test_a_map_read_at_once_from_a_dropped_executor_gets_every_result():
+    # The executor goes as map() returns, while the reader drives: its shutdown (in a thread of its own)
+    # lets every task finish and every result reach the reader, slow to unpickle as they are.
+    results = ParallelExecutor(device_ids=CPU2, pass_device=False).map(SlowToLoad, range(20))
+    assert list(results) == list(range(20))
+
+
 def test_a_lazy_map_keeps_its_dropped_executor_until_it_is_read_or_dropped():
     # It submits as it is read (buffersize): its executor lives as long as it may.
     ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
