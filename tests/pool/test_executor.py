@@ -779,6 +779,9 @@ def test_bad_calls_fail_before_any_worker_starts():
         ex.map(lambda x, device: x, [1, 2, lock])  # the first chunks are pickled at the call
     with pytest.raises(ConfigurationError, match="chunksize must be an int >= 1, got 0"):
         ex.map(lambda x, device: x, [1], chunksize=0)
+    for timeout in ("1", float("nan"), True):
+        with pytest.raises(ConfigurationError, match=r"timeout must be None or a number of seconds \(0 or less"):
+            ex.map(lambda x, device: x, [1], timeout=timeout)
     assert all(s.process is None for s in ex._pool._slots)  # nothing was started
     ex.shutdown()
 

@@ -63,6 +63,25 @@ def pid_of(_=None):
     return os.getpid()
 
 
+class ErrorAtPickle:
+    """A result no worker can send back (as CPython's test_concurrent_futures has it)."""
+
+    def __reduce__(self):
+        raise pickle.PicklingError("error at pickle")
+
+
+def unpicklable_result():
+    return ErrorAtPickle()
+
+
+def exits(code):
+    raise SystemExit(code)
+
+
+def interrupts():
+    raise KeyboardInterrupt("stop")
+
+
 def _make(kind):
     if kind == "ProcessPoolExecutor":
         return cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
@@ -146,8 +165,108 @@ def test_map_timeout(executor):
     time.sleep(max(0.0, begin + 2.0 - time.monotonic()))  # the late task ends before the next test
 
 
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_a_map_timeout_of_zero_or_less_gives_the_results_ready_when_read(executor, timeout):
+    # As concurrent.futures: the deadline is past at once; a result ready when read comes back, one not
+    # ready raises TimeoutError without waiting.
+    for attempt in range(1, 21):
+        results = executor.map(square, [2, 3], timeout=timeout)
+        time.sleep(0.2 * attempt)  # (both done by then, however loaded the machine)
+        try:
+            assert list(results) == [4, 9]
+            break
+        except TimeoutError:
+            continue
+    else:
+        pytest.fail(f"map(timeout={timeout}) never gave results that were ready")
+    begin = time.monotonic()
+    late = executor.map(sleep_then, [1.0], [1], timeout=timeout)
+    with pytest.raises(TimeoutError):
+        next(late)
+    assert time.monotonic() - begin < 0.9  # did not wait for it
+    time.sleep(max(0.0, begin + 1.5 - time.monotonic()))  # the late task ends before the next test
+
+
+def test_a_result_the_worker_cannot_pickle_raises_the_pickling_error(executor):
+    with pytest.raises(pickle.PicklingError, match="error at pickle"):
+        executor.submit(unpicklable_result).result(timeout=60)
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+        executor.submit(threading.Lock).result(timeout=60)
+    assert executor.submit(square, 4).result(timeout=60) == 16
+
+
 def test_map_of_no_iterables_is_empty(executor):
     assert list(executor.map(square)) == []
+
+
+def _wait_gone(pids, within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids_alive(pids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pending", ["map kept unread", "map dropped unread", "submit"])
+def test_a_dropped_executor_runs_what_was_submitted_then_its_workers_end(kind, pending):
+    # As ProcessPoolExecutor: nothing of what the executor handed out (a future, a map's iterator) keeps its
+    # workers; dropped without shutdown(), it finishes the tasks submitted, then they end.
+    ex = _make(kind)
+    pids = sorted(_pids(ex))
+    if pending == "submit":
+        kept = ex.submit(sleep_then, 0.5, 7)
+    else:
+        kept = ex.map(sleep_then, [0.5, 0.5, 0.5], [1, 2, 3])
+    del ex
+    if pending == "map dropped unread":
+        del kept
+    gc.collect()
+    assert not _wait_gone(pids, within=20), f"{pending}: the workers of a dropped {kind} are still up"
+    if pending == "submit":
+        assert kept.result(timeout=0) == 7  # it ran to the end before they went
+    elif pending == "map kept unread":
+        assert list(kept) == [1, 2, 3]
+
+
+def _slow_load(x):
+    time.sleep(0.05)
+    return x
+
+
+class SlowToLoad:
+    """A result the caller takes a while to unpickle (outside the pool's lock)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __reduce__(self):
+        return _slow_load, (self.x,)
+
+
+def test_a_map_read_at_once_from_a_dropped_executor_gets_every_result():
+    # The executor goes as map() returns, while the reader drives: its shutdown (in a thread of its own)
+    # lets every task finish and every result reach the reader, slow to unpickle as they are.
+    results = ParallelExecutor(device_ids=CPU2, pass_device=False).map(SlowToLoad, range(20))
+    assert list(results) == list(range(20))
+
+
+def test_a_lazy_map_keeps_its_dropped_executor_until_it_is_read_or_dropped():
+    # It submits as it is read (buffersize): its executor lives as long as it may.
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    pids = sorted(_pids(ex))
+    results = ex.map(square, range(6), buffersize=1)
+    del ex
+    gc.collect()
+    assert list(results) == [x * x for x in range(6)]
+    assert not _wait_gone(pids, within=20)
+    ex = ParallelExecutor(device_ids=CPU2, pass_device=False)
+    pids = sorted(_pids(ex))
+    results = ex.map(square, range(6), buffersize=1)
+    del ex
+    assert next(results) == 0
+    del results  # abandoned half-way: its executor goes with it
+    gc.collect()
+    assert not _wait_gone(pids, within=20)
 
 
 class Dummy:
@@ -350,7 +469,7 @@ def test_map_read_while_another_thread_shuts_the_executor_down(fresh):
 
 
 _SUBMIT_THEN_EXIT = textwrap.dedent("""
-    import concurrent.futures as cf, multiprocessing as mp, sys, time
+    import concurrent.futures as cf, multiprocessing as mp, sys, threading, time
     from nn_handler import ParallelExecutor
 
     def touch(path):
@@ -363,16 +482,24 @@ _SUBMIT_THEN_EXIT = textwrap.dedent("""
             ex = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
         else:
             ex = ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False)
-        for i in range(6):
-            ex.submit(touch, f"{folder}/s{i}")
-        ex.map(touch, [f"{folder}/m{i}" for i in range(4)])
+        def submit_all():
+            for i in range(6):
+                ex.submit(touch, f"{folder}/s{i}")
+            return ex.map(touch, [f"{folder}/m{i}" for i in range(4)])
+
+        if how == "from-a-daemon-thread":  # never joined: its tasks still run
+            submitted = threading.Event()
+            threading.Thread(target=lambda: (submit_all(), submitted.set(), time.sleep(3600)), daemon=True).start()
+            submitted.wait()
+        else:
+            submit_all()
         if how == "shutdown-without-waiting":
             ex.shutdown(wait=False)
         print("MAIN RETURNS", flush=True)
 """)
 
 
-@pytest.mark.parametrize("how", ["no-shutdown", "shutdown-without-waiting"])
+@pytest.mark.parametrize("how", ["no-shutdown", "shutdown-without-waiting", "from-a-daemon-thread"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_program_does_not_exit_before_the_submitted_tasks_are_done(kind, how, tmp_path):
     # "Regardless of the value of wait, the entire Python program will not exit until all pending futures
@@ -391,6 +518,22 @@ def test_context_manager(fresh):
         assert ex.submit(square, 5).result(timeout=60) == 25
     with pytest.raises(RuntimeError):
         fresh.submit(square, 1)
+
+
+@pytest.mark.parametrize("fn, args, kind", [(exits, (3,), SystemExit), (interrupts, (), KeyboardInterrupt)])
+def test_systemexit_or_keyboardinterrupt_from_a_task_is_a_plain_parallel_execution_error(fn, args, kind):
+    # Where ParallelExecutor differs from the standard, as docs/executor.md says: raised in the caller, either
+    # would end its program (or read as its own Ctrl-C) for what happened in a worker, which is replaced.
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, timeout=60) as ex:
+        for call in (lambda: ex.submit(fn, *args).result(timeout=60), lambda: ex.run(fn, *args)):
+            before = ex.run(pid_of)
+            with pytest.raises(ParallelExecutionError) as info:
+                call()
+            assert type(info.value) is ParallelExecutionError and not isinstance(info.value, kind)
+            assert info.value.failures[0].exc_type == kind.__name__
+            assert f"{fn.__name__} failed on rank 0" in str(info.value) and kind.__name__ in str(info.value)
+            assert isinstance(info.value.exceptions[0], kind)  # the task's own exception, kept
+            assert ex.run(pid_of) != before  # its worker ended, and was replaced
 
 
 # ----------------------------------------------------------------------------- what ParallelExecutor adds

@@ -64,6 +64,7 @@ WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "
                 "nn_handler._failure_record",  # the errors' per-rank record
                 "nn_handler.utils._workers.worker", "nn_handler.utils._workers.transport",
                 "nn_handler.utils._workers.lending",  # the transport's result files
+                "nn_handler.utils._workers.shm_files",  # where the transport's files live, who removes them
                 "nn_handler.utils._workers.tensor_bytes",  # the transport's small tensors, as bytes
                 "nn_handler.utils._workers.pickler",  # cloudpickle, code keeping its file
                 "nn_handler.utils._workers.pipes",  # its end of the pipe: framed messages

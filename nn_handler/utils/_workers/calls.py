@@ -85,8 +85,9 @@ class _Call:
         self.failures: list[RankFailure] = []
         self.exceptions: dict = {}
         self.died = self.timed_out = self.started = self.done = False
-        # A call whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
-        self.caller_daemon = threading.current_thread().daemon
+        # A run() whose caller is a daemon thread (never joined at exit) is cut short at exit; see WorkerPool.
+        # Tasks submitted (submit, map) run to the end whoever submitted them, as concurrent.futures runs them.
+        self.caller_daemon = broadcast and threading.current_thread().daemon
 
     # The bookkeeping both pools (local and Ray) share; each decides what to stop and when to finish.
     def add_result(self, key: int, value) -> None:

@@ -312,9 +312,10 @@ class ParallelExecutor(concurrent.futures.Executor):
             self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
                                     threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout,
                                     max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
-        # Workers end with the executor even if it is dropped without shutdown(),
-        # and at interpreter exit without waiting for a daemon thread's call.
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+        # Workers end with the executor even if it is dropped without shutdown() (once the tasks submitted
+        # are done), and at interpreter exit without waiting for a daemon thread's call. Nothing of ours
+        # holds the executor: not its futures, not a map's iterator (but a lazy one's, which submits more).
+        self._finalizer = weakref.finalize(self, _executor_dropped, self._pool)
 
     @property
     def num_workers(self) -> int:
@@ -413,9 +414,6 @@ class ParallelExecutor(concurrent.futures.Executor):
             raise
         # Its large-tensor files, once it is over (the base class's method: this is no one looking at the outcome).
         concurrent.futures.Future.add_done_callback(future, lambda _: fn_blob.release())
-        # ``ParallelExecutor().submit(f).result()``: the executor lives as long as
-        # the future, not only as long as the caller's reference to it.
-        future._nn_handler_executor = self
         return future
 
     def map(self, fn: Callable[..., R], *iterables: Iterable[Any], timeout: float | None = None,
@@ -435,7 +433,8 @@ class ParallelExecutor(concurrent.futures.Executor):
             fn: Called as ``fn(item, device=...)`` (``device`` when ``pass_device``).
             iterables: The items.
             timeout: Seconds from this call until every result must be in;
-                past it the iterator raises ``TimeoutError``.
+                past it the iterator raises ``TimeoutError``. As in the
+                standard: ``0`` (or less) gives the results ready when read.
             chunksize: Items sent to a worker in one message; larger chunks
                 cost less per item for small work.
             buffersize: Chunks (items, with ``chunksize=1``) submitted ahead
@@ -452,7 +451,7 @@ class ParallelExecutor(concurrent.futures.Executor):
         """
         check_int("chunksize", chunksize, minimum=1)
         check_int("buffersize", buffersize, minimum=1, allow_none=True)
-        check_number("timeout", timeout, unit="seconds", allow_none=True)
+        _check_map_timeout(timeout)
         self._pool.check_owner()
         if not iterables:
             return iter(())  # as zip() of nothing: no item, no call
@@ -475,7 +474,35 @@ class ParallelExecutor(concurrent.futures.Executor):
             raise
         if buffersize is None:
             chunks.close()  # nothing more to send: the function's files go with its last chunk
-        return _results(self, futures, chunks, end, _progress_bar(progress, total), bool(return_exceptions))
+        # A lazy map submits as it is read, so its iterator keeps the executor; any other holds only its
+        # futures: dropped with the executor, it leaves the workers free to end once its tasks are done.
+        keep = self if buffersize is not None else None
+        return _results(keep, futures, chunks, end, _progress_bar(progress, total), bool(return_exceptions))
+
+
+def _executor_dropped(pool) -> None:
+    """The executor was dropped without ``shutdown()``, or the interpreter exits.
+
+    As ``ProcessPoolExecutor``: no new task, and the workers end once the
+    tasks already submitted are done (an unread ``map``'s too: its results
+    stay readable). At exit the pool's exit hook has let them finish already
+    (but a daemon thread's ``run()``), and what is left is killed.
+    """
+    if pool.closed:
+        return
+    if pool._busy() and threading.main_thread().is_alive():  # (the main thread ends before atexit runs us)
+        # Garbage collection may run this in any thread: the waiting is done by one of its own.
+        threading.Thread(target=pool.shutdown, name="nn_handler-dropped", daemon=True).start()
+    else:
+        pool.shutdown(wait=False)  # idle: nothing is lost
+
+
+def _check_map_timeout(timeout) -> None:
+    # Any number, as concurrent.futures takes it: a deadline already past reads what is ready, never waits.
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout != timeout):
+        raise invalid("timeout", "None or a number of seconds (0 or less: only the results ready when read)",
+                      timeout)
 
 
 def _length(iterables) -> int | None:
@@ -552,7 +579,8 @@ def _results(executor, futures: collections.deque, chunks: _MapChunks, end: floa
              settle: bool = False) -> Iterator:
     """The items of each chunk's result in order, one more chunk submitted per chunk read while ``chunks`` is
     open (``buffersize``). Nothing is held once yielded: a result the caller dropped is freed at once. Closed
-    early, the chunks not started are cancelled."""
+    early, the chunks not started are cancelled. ``executor``: kept alive until the end (a lazy map's), or
+    ``None``."""
     try:
         while futures:
             future = futures.popleft()
@@ -587,4 +615,4 @@ def _results(executor, futures: collections.deque, chunks: _MapChunks, end: floa
         chunks.close(release=True)  # read to the end (every chunk is over), failed or abandoned
         if bar is not None:
             bar.close()
-        del executor  # (held so that a pending map keeps its executor alive)
+        del executor  # (a lazy map's, held while it may submit more)

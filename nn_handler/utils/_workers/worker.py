@@ -139,6 +139,19 @@ def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[Rank
     return record, blob
 
 
+def _unpicklable_result(fn, exc: Exception) -> Exception:
+    """What a result that cannot be pickled raises: the pickling error's own type, as ``ProcessPoolExecutor``
+    gives it (``PicklingError``, ``TypeError``), saying what to return instead (``TypeError`` where that type
+    takes no message)."""
+    message = (f"the result of {getattr(fn, '__name__', 'the function')} could not be pickled ({describe(exc)}); "
+               f"return tensors, numbers, lists or dicts of them")
+    try:
+        error = type(exc)(message)
+    except Exception:
+        return TypeError(message)
+    return error if isinstance(error, Exception) else TypeError(message)
+
+
 def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_device: bool):
     """Call ``fn`` with ``device`` where its signature takes it (``position``: a positional slot, else by keyword)."""
     fn, position = fn_and_position
@@ -261,10 +274,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 try:
                     body, _ = encoder.dumps(result)
                 except Exception as exc:
-                    raise TypeError(
-                        f"the result of {getattr(cached_fn[0], '__name__', 'the function')} could not be pickled "
-                        f"({describe(exc)}); return tensors, numbers, lists or dicts of them"
-                    ) from exc
+                    raise _unpicklable_result(cached_fn[0], exc) from exc
                 reply = ("ok", call_id, body)
         except BaseException as exc:
             failure = _failure(index, device_str, exc, traceback.format_exc())
