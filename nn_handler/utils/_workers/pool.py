@@ -48,6 +48,8 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
+import torch
+
 from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
     ExecutorTimeoutError,
     ParallelExecutionError,
@@ -56,7 +58,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
     WorkerDiedError,
     describe_exit,
 )
-from . import forked_server, lending, pipes
+from . import lending, pipes, server
 from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
@@ -68,7 +70,6 @@ __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 _pool_ids = itertools.count()
 
 
-_forkserver_user: int | None = None  # the process whose forkserver our workers come from
 _open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
 
 
@@ -91,28 +92,6 @@ def _register_exit_hook() -> None:
 
 
 _register_exit_hook()
-
-
-def _forget_forkserver_user() -> None:
-    # In the forked server, so in its workers: their own executors start their own forkserver, as they
-    # would from a fresh interpreter.
-    global _forkserver_user
-    _forkserver_user = None
-
-
-def _context():
-    global _forkserver_user
-    # A child made with os.fork() inherits its parent's forkserver handle,
-    # which only the parent can check on: it spawns its workers instead.
-    if "forkserver" in mp.get_all_start_methods() and _forkserver_user in (None, os.getpid()):
-        _forkserver_user = os.getpid()
-        ctx = mp.get_context("forkserver")
-        # Only takes effect if this process has not started its forkserver yet.
-        ctx.set_forkserver_preload(["torch", "nn_handler.utils._workers.worker"])
-        # A caller with torch imported and no other thread running forks the server from itself instead.
-        forked_server.start(in_server=_forget_forkserver_user)
-        return ctx
-    return mp.get_context("spawn")
 
 
 class WorkerPool(Scheduler):
@@ -138,6 +117,10 @@ class WorkerPool(Scheduler):
         self._start_timeout = start_timeout
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
+        # Every worker's random streams derive from this and its place (see worker.inherit); drawn from the
+        # caller's torch generator, as DataLoader draws its workers' base seed: after torch.manual_seed, the
+        # same run to run.
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
         self._fn_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
@@ -185,7 +168,7 @@ class WorkerPool(Scheduler):
             if not fresh:
                 return
             guard_against_bootstrap()
-            ctx = _context()
+            ctx = server.context()
             try:
                 for slot in fresh:
                     self._start_worker(ctx, slot)
@@ -209,7 +192,10 @@ class WorkerPool(Scheduler):
         process = ctx.Process(
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                  self._pass_device, prefix, os.getpid(), reads, started),
+                  self._pass_device, prefix, os.getpid(), reads, started,
+                  # what it inherits: the environment as it is now, and a seed no other worker of this pool,
+                  # earlier or later, gets (one for each place and replacement)
+                  (dict(os.environ), self._base_seed, slot.index + len(self._slots) * (slot.incarnation - 1))),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )

@@ -166,14 +166,17 @@ def call_each(fn_and_position, items, device, pass_device: bool) -> list:
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int, reads=None, started=None) -> None:
+                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
+    ``inherited``: ``(environ, base_seed, worker_id)``, see :func:`inherit`.
     """
     global _index
     _index = index
+    if inherited is not None:
+        inherit(*inherited)
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -282,6 +285,42 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         # result is freed while the caller maps it (not in the next call's
         # time), and the memory probe (worker_memory_limit) does not count it.
         message = payload_blob = payload = args = kwargs = result = body = reply = failure = None
+
+
+def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
+    """Give this new worker the caller's environment and its own random streams.
+
+    The environment is the caller's ``os.environ`` as it was when the worker
+    started (the server it was forked from has the one of its own start).
+    ``torch``, ``random`` and ``numpy`` (when torch imported it) are seeded as
+    :class:`~torch.utils.data.DataLoader` seeds its workers: ``base_seed``
+    (drawn from the caller's torch generator when the pool was made) plus
+    ``worker_id`` (unique in its pool, replacements included), and numpy from
+    the two mixed: independent across workers, pools and replacements, the same
+    run to run after ``torch.manual_seed`` in the caller.
+
+    Example:
+        >>> import random, torch
+        >>> saved = random.getstate(), torch.get_rng_state(), dict(os.environ)
+        >>> inherit(dict(os.environ), 1234, 0); a = random.random(), float(torch.rand(1))
+        >>> inherit(dict(os.environ), 1234, 0); a == (random.random(), float(torch.rand(1)))
+        True
+        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    """
+    import random
+
+    import torch
+    from torch.utils.data._utils.worker import _generate_state
+
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    seed = (base_seed + worker_id) % (1 << 64)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(_generate_state(base_seed, worker_id))
 
 
 def memory_in_use(device) -> int:
