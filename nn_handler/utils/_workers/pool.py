@@ -28,12 +28,12 @@ while it waits. This module starts, stops and reaps the processes; the
 tasks' half (queue, engine, outcomes) is :mod:`.scheduler`, what it keeps
 track of (slots, calls, tasks, their futures) :mod:`.calls`.
 
-Workers come from a forkserver (CUDA-safe because the server never touches
-CUDA), or from ``spawn`` where there is no forkserver. The server is a fork of
-the caller where that is safe (:mod:`.forked_server`: torch imported, no other
-thread running, CUDA not initialized, x86-64 Linux), so the cold start does not
-import torch a second time; otherwise a fresh interpreter that imports torch
-once for every worker.
+No worker is a fork of the caller. Workers come from a forkserver that is a
+fresh interpreter (it imported torch once for all of them and never touches
+CUDA), or from ``spawn`` where there is none: :mod:`.server` decides. Each new
+worker gets the caller's environment as it is when the worker starts and its
+own random seeds (:func:`.worker.inherit`), and imports with the caller's
+``sys.path``; see docs/executor.md, "How a worker starts, and what it inherits".
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
 from .settling import SettlingLock
-from .worker import guard_against_bootstrap, main_module_hidden, worker_main
+from .worker import guard_against_bootstrap, main_module_hidden, main_to_import, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
@@ -193,9 +193,11 @@ class WorkerPool(Scheduler):
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
                   self._pass_device, prefix, os.getpid(), reads, started,
-                  # what it inherits: the environment as it is now, and a seed no other worker of this pool,
-                  # earlier or later, gets (one for each place and replacement)
-                  (dict(os.environ), self._base_seed, slot.index + len(self._slots) * (slot.incarnation - 1))),
+                  # what it inherits: the environment as it is now, the main module to import once that is in
+                  # place, and a seed no other worker of this pool, earlier or later, gets (one for each place
+                  # and replacement)
+                  (dict(os.environ), main_to_import(), self._base_seed,
+                   slot.index + len(self._slots) * (slot.incarnation - 1))),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -203,7 +205,7 @@ class WorkerPool(Scheduler):
         # not know of: it is delivered once the slot holds the process.
         with pipes.sigint_deferred():
             try:
-                with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+                with main_module_hidden():  # the worker imports it itself, see worker.inherit
                     process.start()
             except BaseException:
                 parent_conn.close()

@@ -171,12 +171,13 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
-    ``inherited``: ``(environ, base_seed, worker_id)``, see :func:`inherit`.
+    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit`.
     """
     global _index
     _index = index
-    if inherited is not None:
-        inherit(*inherited)
+    environ, main, *seed = inherited or (None, None)
+    if environ is not None:
+        inherit(environ, *seed)
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -191,6 +192,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         return call_with_device(fn_and_position, args, kwargs, device, pass_device)
 
     try:
+        _import_main(main)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init_blob is not None:
@@ -321,6 +323,29 @@ def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(_generate_state(base_seed, worker_id))
+
+
+def main_to_import() -> dict:
+    """What a spawned child would be told of the caller's main module (nothing for a script fed on stdin)."""
+    from multiprocessing import spawn
+
+    with main_module_hidden(always=False):
+        data = spawn.get_preparation_data("nn_handler-worker")
+    return {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
+
+
+def _import_main(main: dict | None) -> None:
+    """Import the caller's main module as ``__mp_main__``, as a spawned child does, but after :func:`inherit`:
+    its top-level code (``import transformers`` reading ``HF_HOME``) sees the caller's environment."""
+    if not main:
+        return
+    from multiprocessing import process, spawn
+
+    process.current_process()._inheriting = True  # what guard_against_bootstrap looks for, as in spawn's child
+    try:
+        spawn.prepare(main)
+    finally:
+        del process.current_process()._inheriting
 
 
 def memory_in_use(device) -> int:

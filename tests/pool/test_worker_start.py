@@ -1,0 +1,165 @@
+"""How a worker starts and what it inherits (nn_handler/utils/_workers/server.py, worker.inherit): never a fork of
+the caller, the caller's sys.path, environment and main module as they are when it starts, its own random streams.
+
+Each case runs in a fresh caller process: what a worker would inherit from a fork depends on everything that
+process did before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import REPO, kill_group, pids_alive, run_command
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _run(tmp_path, code: str, *args, env=None, cwd=None, timeout=120):
+    """Run ``code`` as a script in a fresh process; what it printed after ``RESULT``, parsed."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(code))
+    result = run_command([sys.executable, str(script), *map(str, args)], timeout=timeout,
+                         env={"PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-4000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+# ----------------------------------------------------------------------------- never a fork of the caller
+_NO_FORK = """
+    import json, os, sys
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def where(device):
+        return os.getpid(), os.getppid()
+
+    if __name__ == "__main__":
+        marks = sys.argv[1]
+        # What torch does once the CUDA driver was queried (device_count(), as a pool with a GPU does): a process
+        # forked from here is marked, and CUDA fails in it. Here a Python process forked from the caller leaves
+        # a file behind, and os.fork in the caller fails outright.
+        torch.cuda.device_count()
+        os.register_at_fork(after_in_child=lambda: open(os.path.join(marks, f"forked-{os.getpid()}"), "w").close())
+        def no_fork():
+            raise AssertionError("the caller forked")
+        os.fork = no_fork
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            first = ex.run(where)
+        with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1) as ex:
+            second = [ex.submit(where).result() for _ in range(2)]
+        print("RESULT", json.dumps({"first": first, "second": second, "me": os.getpid()}))
+"""
+
+
+def test_no_worker_or_server_is_a_fork_of_a_caller_that_queried_cuda(tmp_path):
+    out = _run(tmp_path, _NO_FORK, tmp_path)
+    assert not list(tmp_path.glob("forked-*")), "a process was forked from the caller"
+    workers = out["first"] + out["second"]
+    assert len({pid for pid, _ in workers}) == 4  # the replacements are new processes too
+    for pid, parent in workers:
+        assert parent != out["me"]  # from the server, which is no fork of the caller either (no mark above)
+
+
+def test_the_start_context_is_never_fork(monkeypatch):
+    import multiprocessing as mp
+
+    import torch
+
+    from nn_handler.utils._workers import server
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # whatever the caller did with CUDA
+    assert server.context().get_start_method() in ("forkserver", "spawn")
+    monkeypatch.setattr(server, "_user", -1)  # a child made with os.fork(): its parent's server is not its own
+    assert server.context().get_start_method() == "spawn"
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["fork", "spawn"])  # no forkserver on this system
+    monkeypatch.setattr(server, "_user", None)
+    assert server.context().get_start_method() == "spawn"
+
+
+# ----------------------------------------------------------------------------- sys.path, environment, main module
+_PATH_AND_ENV = """
+    import json, os, sys, threading
+    SEEN_AT_IMPORT = os.environ.get("NNH_TEST_LATE")  # the worker imports this script: with which environment?
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def report(device):
+        import nn_handler
+        main = sys.modules["__mp_main__"]
+        return {"nn_handler": nn_handler.__file__, "decoy": getattr(nn_handler, "DECOY", False),
+                "late": os.environ.get("NNH_TEST_LATE"), "at_import": main.SEEN_AT_IMPORT,
+                "gone": os.environ.get("NNH_TEST_GONE"), "cwd": os.getcwd()}
+
+    if __name__ == "__main__":
+        stop = threading.Event()
+        threading.Thread(target=stop.wait).start()  # most programs run a thread or two
+        os.environ["NNH_TEST_GONE"] = "set before the first pool"
+        with ParallelExecutor(device_ids=["cpu"]) as ex:
+            first = ex.run(report)
+        del os.environ["NNH_TEST_GONE"]
+        os.environ["NNH_TEST_LATE"] = "set before the second pool"
+        os.chdir(sys.argv[1])
+        with ParallelExecutor(device_ids=["cpu"]) as ex:
+            second = ex.run(report)
+        stop.set()
+        print("RESULT", json.dumps({"first": first, "second": second}))
+"""
+
+
+def test_workers_import_with_the_callers_path_and_get_its_present_environment(tmp_path):
+    import shutil
+
+    cwd = tmp_path / "cwd"  # the caller runs from here: a copy of nn_handler lies in it, not on the caller's path
+    shutil.copytree(REPO / "nn_handler", cwd / "nn_handler", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(cwd / "nn_handler" / "__init__.py", "a") as f:
+        f.write("\nDECOY = True\n")
+    later = tmp_path / "later"
+    later.mkdir()
+    out = _run(tmp_path, _PATH_AND_ENV, later, cwd=cwd)
+    first, second = out["first"][0], out["second"][0]
+    for worker in (first, second):
+        assert not worker["decoy"] and worker["nn_handler"] == str(REPO / "nn_handler" / "__init__.py"), worker
+    assert first["gone"] == "set before the first pool" and second["gone"] is None
+    assert second["late"] == "set before the second pool"
+    assert second["at_import"] == "set before the second pool"  # the main script's top level saw it too
+    assert second["cwd"] == str(later)
+
+
+# ----------------------------------------------------------------------------- random streams
+_SEEDS = """
+    import json, random, sys
+    import numpy
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def draw(*_, device=None):
+        return [float(torch.rand(1)), random.random(), float(numpy.random.rand())]
+
+    if __name__ == "__main__":
+        torch.manual_seed(int(sys.argv[1]))
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            a = ex.run(draw)
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            b = ex.run(draw)
+        with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1, pass_device=False) as ex:
+            c = [ex.submit(draw).result() for _ in range(2)]  # a replacement for each task
+        print("RESULT", json.dumps({"draws": a + b + c, "caller": draw()}))
+"""
+
+
+def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path):
+    out = _run(tmp_path, _SEEDS, 0)
+    draws = out["draws"] + [out["caller"]]
+    for stream in range(3):  # torch, random, numpy: no two workers (pools, replacements) nor the caller alike
+        values = [d[stream] for d in draws]
+        assert len(set(values)) == len(values), (stream, values)
+    assert _run(tmp_path, _SEEDS, 0)["draws"] == out["draws"]  # torch.manual_seed in the caller: the same numbers again
+    assert _run(tmp_path, _SEEDS, 1)["draws"] != out["draws"]
