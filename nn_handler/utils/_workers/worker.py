@@ -239,7 +239,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
-            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device))))
+            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device, shm_prefix))))
             continue
         try:
             if fn_blob is not None:
@@ -348,23 +348,45 @@ def _import_main(main: dict | None) -> None:
         del process.current_process()._inheriting
 
 
-def memory_in_use(device) -> int:
-    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU, on the CPU the resident set
-    less its shared pages (the result files it writes again through mappings it keeps, which the caller
-    maps too, and the libraries')."""
+def memory_in_use(device, results: str | None = None) -> int:
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
+    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings), less the
+    result files (named ``results*``) it writes again through mappings it keeps, which the caller maps too.
+    The libraries' pages, shared with the server and the other workers, do not count."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     try:
-        with open("/proc/self/statm") as f:
-            resident, shared = f.read().split()[1:3]
-        return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
+        held = sum(int(value.split()[0]) for value in fields.values()) << 10
     except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+    return held - _resident_in_files(results) if results else held
+
+
+def _resident_in_files(prefix: str) -> int:
+    """Resident bytes of this process's mappings of files named ``prefix*`` (mapped here, or unlinked since)."""
+    name = os.path.basename(prefix)
+    try:
+        with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
+            if not any(os.path.basename(line.split(maxsplit=5)[-1]).startswith(name) for line in f):
+                return 0
+        total, counting = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
+                    fields = line.split(maxsplit=5)
+                    counting = len(fields) == 6 and os.path.basename(fields[5]).startswith(name)
+                elif counting and line.startswith("Rss:"):
+                    total += int(line.split()[1]) << 10
+        return total
+    except (OSError, ValueError):
+        return 0
 
 
 def guard_against_bootstrap() -> None:
