@@ -163,3 +163,98 @@ def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path)
         assert len(set(values)) == len(values), (stream, values)
     assert _run(tmp_path, _SEEDS, 0)["draws"] == out["draws"]  # torch.manual_seed in the caller: the same numbers again
     assert _run(tmp_path, _SEEDS, 1)["draws"] != out["draws"]
+
+
+# ----------------------------------------------------------------------------- what a fork of the caller carried
+# Each case: what the caller did before its first pool (`before`), then what a later pool's worker does (`check`,
+# returning True when it worked). A worker forked from the caller inherited each of these; a fresh one none.
+_CASES = {
+    # torch's inter-op pool used by the caller: a forked worker's own jit.fork waits for threads it does not have
+    "jit_fork": ("torch.jit.wait(torch.jit.fork(torch.mul, torch.ones(2), 2))",
+                 "float(torch.jit.wait(torch.jit.fork(torch.mul, torch.ones(2), 2)).sum()) == 4"),
+    # a lock held by a thread the threading module does not know of, taken by the worker too
+    "raw_thread_lock": ("import _thread, held; _thread.start_new_thread(held.hold, ()); held.taken.wait()",
+                        "__import__('held').LOCK.acquire(timeout=10)"),
+    # a pool started while a module is being imported: that module, half-imported, in every later worker
+    "pool_during_import": ("import halfway", "__import__('halfway').square(3) == 9"),
+    # the caller's memory (1 GiB) counted in a worker: replaced after every task under a 600 MiB limit
+    "caller_memory": ("big = torch.ones(1 << 28)", None),
+    # the caller's open file, its flock released by the caller, held on by the server
+    "flock": ("f = open('locked', 'w'); fcntl.flock(f, fcntl.LOCK_EX)", None),
+    # a copy of the caller (its command line) left running as its child after shutdown()
+    "copy_left_running": ("", None),
+}
+
+_TABLE = """
+    import fcntl, json, os, sys, time
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def check(device=None):
+        import torch
+        return bool(eval(sys.argv[2])), os.getpid()
+
+    if __name__ == "__main__":
+        case, before = sys.argv[1], sys.argv[3]
+        os.chdir(os.path.dirname(os.path.abspath(__file__)))
+        exec(before)
+        with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:  # the first pool: where a fork would be made
+            ex.run(lambda device: 1)
+        out = {}
+        if case == "caller_memory":
+            with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=600 << 20) as ex:
+                out["ok"] = len({ex.submit(os.getpid).result(timeout=30) for _ in range(3)}) == 1
+        elif case == "flock":
+            f.close()  # lets the lock go, unless another process holds the file open
+            with open("locked", "w") as again:
+                try:
+                    fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    out["ok"] = True
+                except BlockingIOError:
+                    out["ok"] = False
+        elif case == "copy_left_running":
+            me = open("/proc/self/cmdline", "rb").read()
+            children = [p for p in os.listdir("/proc") if p.isdigit() and
+                        open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            out["ok"] = not [p for p in children if open(f"/proc/{p}/cmdline", "rb").read() == me]
+        else:
+            with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:
+                try:
+                    [(out["ok"], _)] = ex.run(check)
+                except TimeoutError:
+                    out["ok"] = "timed out"
+        print("RESULT", json.dumps(out))
+"""
+
+_HELD = """
+import threading, time
+LOCK = threading.Lock()
+taken = threading.Event()
+
+def hold():
+    with LOCK:
+        taken.set()
+        time.sleep(3600)
+"""
+
+_HALFWAY = """
+import multiprocessing
+from nn_handler import ParallelExecutor
+
+if multiprocessing.parent_process() is None:  # in the caller, not in a worker that imports it to find square
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        ex.run(int)
+
+
+def square(x):
+    return x * x
+"""
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_nothing_the_caller_did_before_reaches_a_worker(tmp_path, case):
+    (tmp_path / "held.py").write_text(_HELD)
+    (tmp_path / "halfway.py").write_text(_HALFWAY)
+    before, check = _CASES[case]
+    out = _run(tmp_path, _TABLE, case, check or "True", before, timeout=100)
+    assert out["ok"] is True, out
