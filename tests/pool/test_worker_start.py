@@ -170,8 +170,7 @@ def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path)
 # returning True when it worked). A worker forked from the caller inherited each of these; a fresh one none.
 _CASES = {
     # torch's inter-op pool used by the caller: a forked worker's own jit.fork waits for threads it does not have
-    "jit_fork": ("torch.jit.wait(torch.jit.fork(torch.mul, torch.ones(2), 2))",
-                 "float(torch.jit.wait(torch.jit.fork(torch.mul, torch.ones(2), 2)).sum()) == 4"),
+    "jit_fork": ("use_interop()", "sys.modules['__main__'].use_interop() == 4"),
     # a lock held by a thread the threading module does not know of, taken by the worker too
     "raw_thread_lock": ("import _thread, held; _thread.start_new_thread(held.hold, ()); held.taken.wait()",
                         "__import__('held').LOCK.acquire(timeout=10)"),
@@ -189,6 +188,17 @@ _TABLE = """
     import fcntl, json, os, sys, time
     import torch
     from nn_handler import ParallelExecutor
+
+    def use_interop():  # a scripted jit.fork runs on torch's inter-op pool
+        @torch.jit.script
+        def twice(x):
+            return x * 2
+
+        @torch.jit.script
+        def forked(x):
+            return torch.jit.wait(torch.jit.fork(twice, x))
+
+        return float(forked(torch.ones(2)).sum())
 
     def check(device=None):
         import torch
@@ -258,3 +268,4 @@ def test_nothing_the_caller_did_before_reaches_a_worker(tmp_path, case):
     before, check = _CASES[case]
     out = _run(tmp_path, _TABLE, case, check or "True", before, timeout=100)
     assert out["ok"] is True, out
+
