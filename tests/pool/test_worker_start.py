@@ -269,3 +269,79 @@ def test_nothing_the_caller_did_before_reaches_a_worker(tmp_path, case):
     out = _run(tmp_path, _TABLE, case, check or "True", before, timeout=100)
     assert out["ok"] is True, out
 
+
+
+# ----------------------------------------------------------------------------- isolation, lifetime, nesting
+_HOLDS = """
+    import json, os, socket, sys
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def fds(device):
+        held = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return sorted(held)
+
+    def nested(device):
+        from nn_handler import ParallelExecutor
+        with ParallelExecutor(device_ids=["cpu"]) as inner:
+            return inner.run(lambda device: 7)
+
+    if __name__ == "__main__":
+        held = [socket.socket(), *os.pipe(), open(os.path.join(sys.argv[1], "log.txt"), "w")]
+        mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in (held[0].fileno(), held[1], held[2], held[3].fileno())]
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            workers = ex.run(fds)
+            inner = ex.run(nested)
+        print("RESULT", json.dumps({"mine": mine, "workers": workers, "nested": inner}))
+"""
+
+
+def test_workers_hold_none_of_the_callers_files_and_may_start_their_own_executor(tmp_path):
+    out = _run(tmp_path, _HOLDS, tmp_path)
+    for held in out["workers"]:
+        assert not set(held) & set(out["mine"]), f"a worker holds the caller's {set(held) & set(out['mine'])}"
+    assert out["nested"] == [[7], [7]]
+
+
+_KILLED = """
+    import os, time
+    import torch
+    from nn_handler import ParallelExecutor
+    if __name__ == "__main__":
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            big = torch.ones(8 << 20)
+            print("PIDS", *[f"{p}:{s}" for p, s in ex.run(lambda x, device: (os.getpid(), os.getppid()), big)],
+                  flush=True)
+            ex.run(lambda x, device: time.sleep(300), big)
+"""
+
+
+def test_a_killed_caller_takes_its_server_and_workers_with_it(tmp_path):
+    import glob
+
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(_KILLED))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line + (proc.stdout.read() if proc.poll() is not None else "")
+        pairs = [p.split(":") for p in line.split()[1:]]
+        workers, servers = {int(p) for p, _ in pairs}, {int(s) for _, s in pairs}
+        assert len(servers) == 1 and proc.pid not in servers
+        time.sleep(0.5)  # the second call's argument is in shared memory
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while (pids_alive(workers | servers) or glob.glob(f"/dev/shm/nnh-{proc.pid}-*")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pids_alive(workers | servers), "the workers or their server outlived the caller"
+        assert glob.glob(f"/dev/shm/nnh-{proc.pid}-*") == []
+    finally:
+        kill_group(proc)
