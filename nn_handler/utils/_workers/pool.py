@@ -150,6 +150,7 @@ class WorkerPool(Scheduler):
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
+        self._dying: list = []  # killed workers not reaped yet (see _kill)
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -168,6 +169,7 @@ class WorkerPool(Scheduler):
             if not fresh:
                 return
             guard_against_bootstrap()
+            self._reap(block=True)  # a new worker starts once the one it replaces is gone (its memory, its GPU)
             ctx = server.context()
             try:
                 for slot in fresh:
@@ -336,7 +338,7 @@ class WorkerPool(Scheduler):
 
     def _close_now(self, ask: bool) -> None:
         """Mark the pool closed, fail what is still pending, stop the workers (the lock is held)."""
-        if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None:
+        if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None and not self._dying:
             return
         try:
             self._closed = True
@@ -351,6 +353,7 @@ class WorkerPool(Scheduler):
                         task, slot.task = slot.task, None
                         self._task_failed(task, self._death(slot), died=True)
                     self._kill(slot)
+                self._reap(block=True)  # shutdown() returns once every worker is gone
                 self._cancel_queued()
                 for call in list(self._calls):  # e.g. its reply was read when Ctrl-C stopped the thread driving
                     self._finish(call, RuntimeError("this executor was shut down before the call's result was in"))
@@ -405,14 +408,19 @@ class WorkerPool(Scheduler):
                                "down; create a new one)")
 
     def _kill(self, slot: _Slot) -> None:
-        """End a worker for good and reap it (no zombie), dropping its unread result files."""
+        """End a worker for good, dropping its unread result files; it is reaped (no zombie) by :meth:`_reap`.
+
+        Not waited for here: a process takes a while to end (its memory is torn down; from a forkserver, the
+        server then reports its end), and the caller should not: a call whose worker died fails at once, not
+        after its other workers have ended too. A new worker of the slot starts once the old one is gone.
+        """
         if slot.process is None:
             return
         with pipes.sigint_deferred():  # half-reaped, the slot would be stuck with a closed process
             if slot.process.is_alive():
                 slot.process.kill()
-            slot.process.join()
-            slot.process.close()
+            self._dying.append(slot.process)
+            self._reap(block=False)
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
@@ -422,6 +430,15 @@ class WorkerPool(Scheduler):
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
         else:
             self._drop_files(slot.files)
+
+    def _reap(self, block: bool) -> None:
+        """Reap the killed workers that have ended (``block``: wait until every one has)."""
+        for process in list(self._dying):
+            if block:
+                process.join()
+            if process.exitcode is not None:
+                process.close()
+                self._dying.remove(process)
 
     def _loaded(self, slot: _Slot, incarnation: int, files: str) -> None:
         """A reply of ``slot`` (then at ``incarnation``, with ``files``) was loaded (the lock is held)."""
