@@ -151,6 +151,7 @@ class WorkerPool(Scheduler):
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
         self._dying: list = []  # killed workers not reaped yet (see _kill)
+        self._failing = False  # a call is failing: the workers killed with it are not waited for
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -408,11 +409,12 @@ class WorkerPool(Scheduler):
                                "down; create a new one)")
 
     def _kill(self, slot: _Slot) -> None:
-        """End a worker for good, dropping its unread result files; it is reaped (no zombie) by :meth:`_reap`.
+        """End a worker for good and reap it (no zombie), dropping its unread result files.
 
-        Not waited for here: a process takes a while to end (its memory is torn down; from a forkserver, the
-        server then reports its end), and the caller should not: a call whose worker died fails at once, not
-        after its other workers have ended too. A new worker of the slot starts once the old one is gone.
+        The other workers of a failed call are reaped later (:meth:`_reap`), not waited for: a process takes
+        a while to end (its memory is torn down, then its server reports its end), and a call whose worker
+        died should fail at once, not once its other workers have ended too. A new worker of the slot starts
+        once the old one is gone, and shutdown() returns once all are.
         """
         if slot.process is None:
             return
@@ -420,7 +422,7 @@ class WorkerPool(Scheduler):
             if slot.process.is_alive():
                 slot.process.kill()
             self._dying.append(slot.process)
-            self._reap(block=False)
+            self._reap(block=not self._failing)
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
@@ -430,6 +432,13 @@ class WorkerPool(Scheduler):
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
         else:
             self._drop_files(slot.files)
+
+    def _task_failed(self, task, record, exc=None, died=False) -> None:
+        failing, self._failing = self._failing, True
+        try:
+            super()._task_failed(task, record, exc, died)
+        finally:
+            self._failing = failing
 
     def _reap(self, block: bool) -> None:
         """Reap the killed workers that have ended (``block``: wait until every one has)."""
