@@ -48,8 +48,6 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-import torch
-
 from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-exported, their home was here
     ExecutorTimeoutError,
     ParallelExecutionError,
@@ -63,7 +61,7 @@ from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
 from .settling import SettlingLock
-from .worker import guard_against_bootstrap, main_module_hidden, main_to_import, worker_main
+from .worker import guard_against_bootstrap, main_module_hidden, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
@@ -117,10 +115,7 @@ class WorkerPool(Scheduler):
         self._start_timeout = start_timeout
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
-        # Every worker's random streams derive from this and its place (see worker.inherit); drawn from the
-        # caller's torch generator, as DataLoader draws its workers' base seed: after torch.manual_seed, the
-        # same run to run.
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._seed = server.base_seed()  # every worker's random streams derive from it and its place
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
         self._fn_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
@@ -196,11 +191,8 @@ class WorkerPool(Scheduler):
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
                   self._pass_device, prefix, os.getpid(), reads, started,
-                  # what it inherits: the environment as it is now, the main module to import once that is in
-                  # place, and a seed no other worker of this pool, earlier or later, gets (one for each place
-                  # and replacement)
-                  (dict(os.environ), main_to_import(), self._base_seed,
-                   slot.index + len(self._slots) * (slot.incarnation - 1))),
+                  # one worker id for each place and replacement: no two workers of the pool draw alike
+                  server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1))),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )

@@ -15,12 +15,13 @@ but with the caller's ``sys.path`` in place before it imports anything: Python
 3.11's server ignores the path it is given, so it would import torch and
 nn_handler with the current directory first (a copy of ``nn_handler`` there is
 what the workers would run). A worker then gets what a spawned process gets
-(the caller's ``sys.path``, current directory and main module, see
-:func:`multiprocessing.spawn.prepare`), and from its pool the caller's
-environment as it is when the worker starts and its own random seeds (see
-:func:`.worker.inherit`).
+(the caller's ``sys.path`` and current directory, see
+:func:`multiprocessing.spawn.prepare`), and :func:`inheritance`: the caller's
+environment as it is when the worker starts, the main module to import once
+that is in place, and its own random seeds (:func:`base_seed` of its pool,
+its worker id); :func:`.worker.inherit` applies them in the worker.
 
-:func:`context` is the one place that decides; ``spawn`` is used where there is
+:func:`context` decides how workers start; ``spawn`` is used where there is
 no forkserver (not POSIX), in a child made with ``os.fork()`` (its parent's
 server is not its own to check on), and where the stdlib's forkserver is not
 the one this module knows how to start.
@@ -60,6 +61,28 @@ def context():
     server.set_forkserver_preload(PRELOAD)
     _ensure_server(server)
     return mp.get_context("forkserver")
+
+
+def base_seed() -> int:
+    """A pool's base seed, drawn from the caller's torch generator as :class:`~torch.utils.data.DataLoader` draws
+    its workers' (after ``torch.manual_seed``, the same run to run); see :func:`.worker.inherit`."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def inheritance(seed: int, worker_id: int) -> tuple:
+    """What a new worker gets from the caller, for :func:`.worker.inherit`: the environment as it is now, the
+    main module to import (once the environment is in place), its pool's ``seed`` and its own ``worker_id``
+    (unique in the pool, replacements included)."""
+    from multiprocessing import spawn
+
+    from .worker import main_module_hidden
+
+    with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+        data = spawn.get_preparation_data("nn_handler-worker")
+    main = {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
+    return dict(os.environ), main, seed, worker_id
 
 
 def _ensure_server(server) -> None:

@@ -325,15 +325,6 @@ def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
         numpy.random.seed(_generate_state(base_seed, worker_id))
 
 
-def main_to_import() -> dict:
-    """What a spawned child would be told of the caller's main module (nothing for a script fed on stdin)."""
-    from multiprocessing import spawn
-
-    with main_module_hidden(always=False):
-        data = spawn.get_preparation_data("nn_handler-worker")
-    return {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
-
-
 def _import_main(main: dict | None) -> None:
     """Import the caller's main module as ``__mp_main__``, as a spawned child does, but after :func:`inherit`:
     its top-level code (``import transformers`` reading ``HF_HOME``) sees the caller's environment."""
