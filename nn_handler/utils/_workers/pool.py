@@ -147,6 +147,7 @@ class WorkerPool(Scheduler):
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
         self._dying: list = []  # killed workers not reaped yet (see _kill)
         self._failing = False  # a call is failing: the workers killed with it are not waited for
+        self._stale_files: list = []  # file prefixes of those workers, to drop with them
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -165,7 +166,7 @@ class WorkerPool(Scheduler):
             if not fresh:
                 return
             guard_against_bootstrap()
-            self._reap(block=True)  # a new worker starts once the one it replaces is gone (its memory, its GPU)
+            self._reap()  # a new worker starts once the one it replaces is gone (its memory, its GPU)
             ctx = server.context()
             try:
                 for slot in fresh:
@@ -331,7 +332,8 @@ class WorkerPool(Scheduler):
 
     def _close_now(self, ask: bool) -> None:
         """Mark the pool closed, fail what is still pending, stop the workers (the lock is held)."""
-        if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None and not self._dying:
+        if (self._closed and not any(s.alive for s in self._slots) and self._wake_r is None and not self._dying
+                and not self._stale_files):
             return
         try:
             self._closed = True
@@ -346,7 +348,7 @@ class WorkerPool(Scheduler):
                         task, slot.task = slot.task, None
                         self._task_failed(task, self._death(slot), died=True)
                     self._kill(slot)
-                self._reap(block=True)  # shutdown() returns once every worker is gone
+                self._reap()  # shutdown() returns once every worker is gone
                 self._cancel_queued()
                 for call in list(self._calls):  # e.g. its reply was read when Ctrl-C stopped the thread driving
                     self._finish(call, RuntimeError("this executor was shut down before the call's result was in"))
@@ -414,7 +416,8 @@ class WorkerPool(Scheduler):
             if slot.process.is_alive():
                 slot.process.kill()
             self._dying.append(slot.process)
-            self._reap(block=not self._failing)
+            if not self._failing:
+                self._reap()
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
@@ -422,6 +425,8 @@ class WorkerPool(Scheduler):
             self._generation += 1
         if slot.unloaded:  # replies of it not loaded yet: its files go once they are
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
+        elif self._failing:  # freeing a large result file's memory takes milliseconds too
+            self._stale_files.append(slot.files)
         else:
             self._drop_files(slot.files)
 
@@ -432,14 +437,14 @@ class WorkerPool(Scheduler):
         finally:
             self._failing = failing
 
-    def _reap(self, block: bool) -> None:
-        """Reap the killed workers that have ended (``block``: wait until every one has)."""
-        for process in list(self._dying):
-            if block:
-                process.join()
-            if process.exitcode is not None:
-                process.close()
-                self._dying.remove(process)
+    def _reap(self) -> None:
+        """Reap the workers killed with a failing call, and drop their files (see :meth:`_kill`)."""
+        while self._dying:
+            process = self._dying.pop()
+            process.join()
+            process.close()
+        while self._stale_files:
+            self._drop_files(self._stale_files.pop())
 
     def _loaded(self, slot: _Slot, incarnation: int, files: str) -> None:
         """A reply of ``slot`` (then at ``incarnation``, with ``files``) was loaded (the lock is held)."""
@@ -473,7 +478,11 @@ class WorkerPool(Scheduler):
             message=f"worker died during {during} ({describe_exit(exitcode)}){hint}",
             exitcode=exitcode,
         )
-        self._kill(slot)
+        failing, self._failing = self._failing, True  # its call fails now; its files are dropped later
+        try:
+            self._kill(slot)
+        finally:
+            self._failing = failing
         return record
 
 

@@ -342,7 +342,7 @@ def _import_main(main: dict | None) -> None:
 def memory_in_use(device, results: str | None = None) -> int:
     """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
     plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings), less the
-    result files (named ``results*``) it writes again through mappings it keeps, which the caller maps too.
+    result files (``results*``) it writes again through mappings it keeps, which the caller maps too.
     The libraries' pages, shared with the server and the other workers, do not count."""
     import torch
 
@@ -361,18 +361,21 @@ def memory_in_use(device, results: str | None = None) -> int:
 
 
 def _resident_in_files(prefix: str) -> int:
-    """Resident bytes of this process's mappings of files named ``prefix*`` (mapped here, or unlinked since)."""
-    name = os.path.basename(prefix)
+    """Resident bytes of this process's mappings of the files ``prefix*`` (unlinked since or not).
+
+    Files spilled elsewhere (no room in the shared-memory directory) are not shared memory: not counted above.
+    """
+    prefix = os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix))  # as /proc shows it
     try:
         with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
-            if not any(os.path.basename(line.split(maxsplit=5)[-1]).startswith(name) for line in f):
+            if not any(line.split(maxsplit=5)[-1].startswith(prefix) for line in f):
                 return 0
         total, counting = 0, False
         with open("/proc/self/smaps") as f:
             for line in f:
                 if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
                     fields = line.split(maxsplit=5)
-                    counting = len(fields) == 6 and os.path.basename(fields[5]).startswith(name)
+                    counting = len(fields) == 6 and fields[5].startswith(prefix)
                 elif counting and line.startswith("Rss:"):
                     total += int(line.split()[1]) << 10
         return total
