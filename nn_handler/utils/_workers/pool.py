@@ -405,10 +405,11 @@ class WorkerPool(Scheduler):
     def _kill(self, slot: _Slot) -> None:
         """End a worker for good and reap it (no zombie), dropping its unread result files.
 
-        The other workers of a failed call are reaped later (:meth:`_reap`), not waited for: a process takes
-        a while to end (its memory is torn down, then its server reports its end), and a call whose worker
-        died should fail at once, not once its other workers have ended too. A new worker of the slot starts
-        once the old one is gone, and shutdown() returns once all are.
+        A worker that died in a call, and the other workers of a failed call, are reaped later (:meth:`_reap`,
+        their files too), not waited for: a process takes a while to end (its memory is torn down, then its
+        server reports its end), freeing a large result file takes milliseconds, and a call whose worker died
+        should fail at once. A new worker of the slot starts once the old one is gone, and shutdown() returns
+        once all are.
         """
         if slot.process is None:
             return
@@ -431,6 +432,7 @@ class WorkerPool(Scheduler):
             self._drop_files(slot.files)
 
     def _task_failed(self, task, record, exc=None, died=False) -> None:
+        """The scheduler's, with the workers it kills for the failing call reaped later (see :meth:`_kill`)."""
         failing, self._failing = self._failing, True
         try:
             super()._task_failed(task, record, exc, died)
