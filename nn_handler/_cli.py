@@ -148,7 +148,7 @@ def find_traps(environ: Mapping[str, str], launch: Any, launch_error: str | None
     if cuda_initialized:
         traps.append("CUDA is already initialised in this process: processes forked from it cannot use CUDA, and "
                      "CUDA_VISIBLE_DEVICES changes made now have no effect; start workers before touching CUDA "
-                     "(nn_handler's executors use forkserver and are not affected)")
+                     "(nn_handler's executors never fork this process and are not affected)")
     if cuda_count and not nccl:
         traps.append(f"{cuda_count} CUDA device{'s' if cuda_count != 1 else ''} but torch has no nccl backend: "
                      f"multi-GPU process groups fall back to gloo, which is much slower on GPUs")

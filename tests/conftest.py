@@ -24,15 +24,12 @@ def _is_mp_infrastructure(pid: str) -> bool:
     # multiprocessing starts one resource tracker and one forkserver per parent
     # on first use and keeps them for the parent's lifetime: infrastructure,
     # not leaks (the forkserver's own children are still checked).
-    # nn_handler's forkserver forked from the caller keeps the caller's command line: it is known by its name.
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            name = f.read().strip()
     except OSError:
         return False
-    return b"resource_tracker" in cmdline or b"forkserver" in cmdline or name == b"nnh-forkserver"
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
 
 
 def _all_children(pid: int | None = None) -> list[int]:

@@ -100,7 +100,8 @@ def test_launch_kills_a_hung_rank_at_the_deadline_and_names_it():
 
 
 def test_launch_ranks_see_the_callers_environment(monkeypatch):
-    # Workers come from a forkserver started earlier, with the environment it had then.
+    # Workers come from a forkserver started earlier, with the environment it had then: a rank gets the
+    # caller's present one.
     with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
         ex.run(int)
     monkeypatch.setenv("NNH_TEST_LAUNCH_VAR", "set after the forkserver started")

@@ -932,8 +932,8 @@ def test_missing_main_guard_gets_the_snippet(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text("from nn_handler import ParallelExecutor\n"
                       "ParallelExecutor(device_ids=['cpu']).run(lambda device: 1)\n")
-    # The spawned forkserver's workers import the main module (one forked from the caller has it already).
-    result = run_command([sys.executable, str(script)], timeout=90, env={"NN_HANDLER_WORKER_SERVER": "forkserver"})
+    # The workers import the main module, as spawned processes do.
+    result = run_command([sys.executable, str(script)], timeout=90)
     assert result.returncode != 0
     # the worker's own error (raised while it imported the script) and the caller's hint
     assert "was started while a worker process was importing your main module" in result.stdout

@@ -122,6 +122,31 @@ def test_worker_memory_limit_does_not_count_the_result_files_it_writes_again():
         assert len(set(pids)) == 1, "the worker was replaced for memory it shares with its caller"
 
 
+def _hold_shared(megabytes, how):
+    import mmap
+
+    import torch
+
+    if how == "share_memory_":
+        held = torch.ones(megabytes << 18).share_memory_()
+    else:  # an anonymous MAP_SHARED mapping, its pages touched
+        held = mmap.mmap(-1, megabytes << 20)
+        torch.frombuffer(held, dtype=torch.uint8).fill_(1)
+    worker_state().setdefault("held", []).append(held)
+    return os.getpid()
+
+
+@pytest.mark.parametrize("how", ["share_memory_", "MAP_SHARED"])
+def test_worker_memory_limit_counts_the_shared_memory_a_worker_keeps(how):
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (300 << 20)) as ex:
+        first = ex.submit(_hold_shared, 200, how).result(timeout=60)  # 200 MiB: under the limit, kept
+        assert ex.submit(_hold_shared, 200, how).result(timeout=60) == first  # 400 MiB after it: replaced
+        assert ex.submit(_count).result(timeout=60)[0] != first
+        assert not pids_alive([first])
+
+
 @pytest.mark.parametrize("kwargs, text", [
     ({"max_tasks_per_worker": 0}, "max_tasks_per_worker must be an int >= 1 or None, got 0"),
     ({"worker_memory_limit": -5}, "worker_memory_limit must be an int >= 1 or None, got -5"),

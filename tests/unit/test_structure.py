@@ -298,12 +298,12 @@ if __name__ == "__main__":  # the worker imports this script: only the executor'
 
 @pytest.mark.timeout(120)
 def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers(tmp_path):
-    # What a worker imports itself, from the spawned forkserver (a forkserver forked from the caller has the
-    # caller's modules already, whatever they are): in a fresh process, told to use that server.
+    # What a worker imports itself, from the forkserver (a fresh interpreter that imported torch and the worker
+    # module): in a fresh process.
     script = tmp_path / "loaded.py"
     script.write_text(_LOADED_BY_A_WORKER)
     out = run_command([sys.executable, str(script)], timeout=110,
-                      env={"PYTHONPATH": str(REPO), "NN_HANDLER_WORKER_SERVER": "forkserver"}).stdout
+                      env={"PYTHONPATH": str(REPO)}).stdout
     [line] = [line for line in out.splitlines() if line.startswith("LOADED ")]
     loaded = json.loads(line[len("LOADED "):])
     assert "nn_handler.utils._workers.worker" in loaded  # it really ran in a worker

@@ -65,7 +65,7 @@ _DEATH_GRACE = 1.0
 class _Setup:
     """What every rank does before and around ``fn`` (travels to the workers)."""
 
-    env: dict  # the caller's environment (+ the caller's extra variables) and the rendezvous
+    env: dict  # the rendezvous and the caller's extra variables (the pool gives each worker the caller's environment)
     nprocs: int
     threads: int
     join: bool  # initialize_ddp before fn
@@ -79,9 +79,6 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
     """One rank, in its worker: the launch variables, the group, ``fn``, and leaving the group."""
     import torch
 
-    # The worker comes from a forkserver and has the server's environment:
-    # give it the caller's, as a process spawned by the caller would have.
-    os.environ.clear()
     os.environ.update(setup.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(setup.nprocs),
                       LOCAL_WORLD_SIZE=str(setup.nprocs))
     torch.set_num_threads(setup.threads)
@@ -155,7 +152,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
         raise
     nprocs = len(devices)
     deadline = None if timeout is None else time.monotonic() + timeout
-    setup = _Setup(env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
+    setup = _Setup(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
                         **(env or {})},
                    nprocs=nprocs, threads=_threads_per_worker(nprocs), join=join, backend=backend,
                    pg_timeout=pg_timeout, stall_timeout=stall_timeout, pass_rank=pass_rank)

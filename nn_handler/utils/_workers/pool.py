@@ -28,12 +28,12 @@ while it waits. This module starts, stops and reaps the processes; the
 tasks' half (queue, engine, outcomes) is :mod:`.scheduler`, what it keeps
 track of (slots, calls, tasks, their futures) :mod:`.calls`.
 
-Workers come from a forkserver (CUDA-safe because the server never touches
-CUDA), or from ``spawn`` where there is no forkserver. The server is a fork of
-the caller where that is safe (:mod:`.forked_server`: torch imported, no other
-thread running, CUDA not initialized, x86-64 Linux), so the cold start does not
-import torch a second time; otherwise a fresh interpreter that imports torch
-once for every worker.
+No worker is a fork of the caller. Workers come from a forkserver that is a
+fresh interpreter (it imported torch once for all of them and never touches
+CUDA), or from ``spawn`` where there is none: :mod:`.server` decides. Each new
+worker gets the caller's environment as it is when the worker starts and its
+own random seeds (:func:`.worker.inherit`), and imports with the caller's
+``sys.path``; see docs/executor.md, "How a worker starts, and what it inherits".
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ...errors import (  # ExecutorTimeoutError, PayloadPicklingError: re-export
     WorkerDiedError,
     describe_exit,
 )
-from . import forked_server, lending, pipes
+from . import lending, pipes, server
 from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
@@ -68,7 +68,6 @@ __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 _pool_ids = itertools.count()
 
 
-_forkserver_user: int | None = None  # the process whose forkserver our workers come from
 _open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
 
 
@@ -91,28 +90,6 @@ def _register_exit_hook() -> None:
 
 
 _register_exit_hook()
-
-
-def _forget_forkserver_user() -> None:
-    # In the forked server, so in its workers: their own executors start their own forkserver, as they
-    # would from a fresh interpreter.
-    global _forkserver_user
-    _forkserver_user = None
-
-
-def _context():
-    global _forkserver_user
-    # A child made with os.fork() inherits its parent's forkserver handle,
-    # which only the parent can check on: it spawns its workers instead.
-    if "forkserver" in mp.get_all_start_methods() and _forkserver_user in (None, os.getpid()):
-        _forkserver_user = os.getpid()
-        ctx = mp.get_context("forkserver")
-        # Only takes effect if this process has not started its forkserver yet.
-        ctx.set_forkserver_preload(["torch", "nn_handler.utils._workers.worker"])
-        # A caller with torch imported and no other thread running forks the server from itself instead.
-        forked_server.start(in_server=_forget_forkserver_user)
-        return ctx
-    return mp.get_context("spawn")
 
 
 class WorkerPool(Scheduler):
@@ -138,6 +115,7 @@ class WorkerPool(Scheduler):
         self._start_timeout = start_timeout
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
+        self._seed = server.base_seed()  # every worker's random streams derive from it and its place
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
         self._fn_ids = itertools.count(1)
         self._args = _transport.Encoder(_transport.shm_prefix(f"{self._token}-a"), private=True)
@@ -167,6 +145,9 @@ class WorkerPool(Scheduler):
         self._closed = False  # no worker will run anything any more
         self._closing = False  # shutdown(): no new calls; the engine ends once the queue is empty
         self._owner = os.getpid()  # a forked child inherits this object, never its workers
+        self._dying: list = []  # killed workers not reaped yet (see _kill)
+        self._failing = False  # a call is failing: the workers killed with it are not waited for
+        self._stale_files: list = []  # file prefixes of those workers, to drop with them
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -185,7 +166,8 @@ class WorkerPool(Scheduler):
             if not fresh:
                 return
             guard_against_bootstrap()
-            ctx = _context()
+            self._reap()  # a new worker starts once the one it replaces is gone (its memory, its GPU)
+            ctx = server.context()
             try:
                 for slot in fresh:
                     self._start_worker(ctx, slot)
@@ -209,7 +191,9 @@ class WorkerPool(Scheduler):
         process = ctx.Process(
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
-                  self._pass_device, prefix, os.getpid(), reads, started),
+                  self._pass_device, prefix, os.getpid(), reads, started,
+                  # one worker id for each place and replacement: no two workers of the pool draw alike
+                  server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1))),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -217,7 +201,7 @@ class WorkerPool(Scheduler):
         # not know of: it is delivered once the slot holds the process.
         with pipes.sigint_deferred():
             try:
-                with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+                with main_module_hidden():  # the worker imports it itself, see worker.inherit
                     process.start()
             except BaseException:
                 parent_conn.close()
@@ -348,7 +332,8 @@ class WorkerPool(Scheduler):
 
     def _close_now(self, ask: bool) -> None:
         """Mark the pool closed, fail what is still pending, stop the workers (the lock is held)."""
-        if self._closed and not any(s.alive for s in self._slots) and self._wake_r is None:
+        if (self._closed and not any(s.alive for s in self._slots) and self._wake_r is None and not self._dying
+                and not self._stale_files):
             return
         try:
             self._closed = True
@@ -363,6 +348,7 @@ class WorkerPool(Scheduler):
                         task, slot.task = slot.task, None
                         self._task_failed(task, self._death(slot), died=True)
                     self._kill(slot)
+                self._reap()  # shutdown() returns once every worker is gone
                 self._cancel_queued()
                 for call in list(self._calls):  # e.g. its reply was read when Ctrl-C stopped the thread driving
                     self._finish(call, RuntimeError("this executor was shut down before the call's result was in"))
@@ -417,14 +403,22 @@ class WorkerPool(Scheduler):
                                "down; create a new one)")
 
     def _kill(self, slot: _Slot) -> None:
-        """End a worker for good and reap it (no zombie), dropping its unread result files."""
+        """End a worker for good and reap it (no zombie), dropping its unread result files.
+
+        A worker that died in a call, and the other workers of a failed call, are reaped later (:meth:`_reap`,
+        their files too), not waited for: a process takes a while to end (its memory is torn down, then its
+        server reports its end), freeing a large result file takes milliseconds, and a call whose worker died
+        should fail at once. A new worker of the slot starts once the old one is gone, and shutdown() returns
+        once all are.
+        """
         if slot.process is None:
             return
         with pipes.sigint_deferred():  # half-reaped, the slot would be stuck with a closed process
             if slot.process.is_alive():
                 slot.process.kill()
-            slot.process.join()
-            slot.process.close()
+            self._dying.append(slot.process)
+            if not self._failing:
+                self._reap()
             if slot.conn is not None:
                 slot.conn.close()
             slot.process = slot.conn = None
@@ -432,8 +426,27 @@ class WorkerPool(Scheduler):
             self._generation += 1
         if slot.unloaded:  # replies of it not loaded yet: its files go once they are
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
+        elif self._failing:  # freeing a large result file's memory takes milliseconds too
+            self._stale_files.append(slot.files)
         else:
             self._drop_files(slot.files)
+
+    def _task_failed(self, task, record, exc=None, died=False) -> None:
+        """The scheduler's, with the workers it kills for the failing call reaped later (see :meth:`_kill`)."""
+        failing, self._failing = self._failing, True
+        try:
+            super()._task_failed(task, record, exc, died)
+        finally:
+            self._failing = failing
+
+    def _reap(self) -> None:
+        """Reap the workers killed with a failing call, and drop their files (see :meth:`_kill`)."""
+        while self._dying:
+            process = self._dying.pop()
+            process.join()
+            process.close()
+        while self._stale_files:
+            self._drop_files(self._stale_files.pop())
 
     def _loaded(self, slot: _Slot, incarnation: int, files: str) -> None:
         """A reply of ``slot`` (then at ``incarnation``, with ``files``) was loaded (the lock is held)."""
@@ -467,7 +480,11 @@ class WorkerPool(Scheduler):
             message=f"worker died during {during} ({describe_exit(exitcode)}){hint}",
             exitcode=exitcode,
         )
-        self._kill(slot)
+        failing, self._failing = self._failing, True  # its call fails now; its files are dropped later
+        try:
+            self._kill(slot)
+        finally:
+            self._failing = failing
         return record
 
 

@@ -179,14 +179,18 @@ def call_each(fn_and_position, items, device, pass_device: bool) -> list:
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int, reads=None, started=None) -> None:
+                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
+    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit`.
     """
     global _index
     _index = index
+    environ, main, *seed = inherited or (None, None)
+    if environ is not None:
+        inherit(environ, *seed)
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -201,6 +205,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         return call_with_device(fn_and_position, args, kwargs, device, pass_device)
 
     try:
+        _import_main(main)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init_blob is not None:
@@ -247,7 +252,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
-            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device))))
+            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device, shm_prefix))))
             continue
         try:
             if fn_blob is not None:
@@ -294,23 +299,98 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         message = payload_blob = payload = args = kwargs = result = body = reply = failure = None
 
 
-def memory_in_use(device) -> int:
-    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU, on the CPU the resident set
-    less its shared pages (the result files it writes again through mappings it keeps, which the caller
-    maps too, and the libraries')."""
+def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
+    """Give this new worker the caller's environment and its own random streams.
+
+    The environment is the caller's ``os.environ`` as it was when the worker
+    started (the server it was forked from has the one of its own start).
+    ``torch``, ``random`` and ``numpy`` (when torch imported it) are seeded as
+    :class:`~torch.utils.data.DataLoader` seeds its workers: ``base_seed``
+    (drawn from the caller's torch generator when the pool was made) plus
+    ``worker_id`` (unique in its pool, replacements included), and numpy from
+    the two mixed: independent across workers, pools and replacements, the same
+    run to run after ``torch.manual_seed`` in the caller.
+
+    Example:
+        >>> import random, torch
+        >>> saved = random.getstate(), torch.get_rng_state(), dict(os.environ)
+        >>> inherit(dict(os.environ), 1234, 0); a = random.random(), float(torch.rand(1))
+        >>> inherit(dict(os.environ), 1234, 0); a == (random.random(), float(torch.rand(1)))
+        True
+        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    """
+    import random
+
+    import torch
+    from torch.utils.data._utils.worker import _generate_state
+
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    seed = (base_seed + worker_id) % (1 << 64)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(_generate_state(base_seed, worker_id))
+
+
+def _import_main(main: dict | None) -> None:
+    """Import the caller's main module as ``__mp_main__``, as a spawned child does, but after :func:`inherit`:
+    its top-level code (``import transformers`` reading ``HF_HOME``) sees the caller's environment."""
+    if not main:
+        return
+    from multiprocessing import process, spawn
+
+    process.current_process()._inheriting = True  # what guard_against_bootstrap looks for, as in spawn's child
+    try:
+        spawn.prepare(main)
+    finally:
+        del process.current_process()._inheriting
+
+
+def memory_in_use(device, results: str | None = None) -> int:
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
+    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings), less the
+    result files (``results*``) it writes again through mappings it keeps, which the caller maps too.
+    The libraries' pages, shared with the server and the other workers, do not count."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     try:
-        with open("/proc/self/statm") as f:
-            resident, shared = f.read().split()[1:3]
-        return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
+        held = sum(int(value.split()[0]) for value in fields.values()) << 10
     except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+    return held - _resident_in_files(results) if results else held
+
+
+def _resident_in_files(prefix: str) -> int:
+    """Resident bytes of this process's mappings of the files ``prefix*`` (unlinked since or not).
+
+    Files spilled elsewhere (no room in the shared-memory directory) are not shared memory: not counted above.
+    """
+    prefix = os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix))  # as /proc shows it
+    try:
+        with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
+            if not any(line.split(maxsplit=5)[-1].startswith(prefix) for line in f):
+                return 0
+        total, counting = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
+                    fields = line.split(maxsplit=5)
+                    counting = len(fields) == 6 and fields[5].startswith(prefix)
+                elif counting and line.startswith("Rss:"):
+                    total += int(line.split()[1]) << 10
+        return total
+    except (OSError, ValueError):
+        return 0
 
 
 def guard_against_bootstrap() -> None:

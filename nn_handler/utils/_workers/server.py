@@ -1,0 +1,124 @@
+"""Where every worker comes from: a forkserver spawned with the caller's ``sys.path``, or ``spawn``.
+
+No worker is ever a fork of the caller: a copy of the caller would carry
+whatever state the caller has (CUDA marked unusable in a fork as soon as the
+driver was queried, torch's inter-op pool, a lock held by another thread, a
+half-imported module, the caller's memory and open files). Workers are forked
+instead from a server that is a fresh interpreter: it imports torch and the
+worker module once (so a new worker does not pay ``import torch``), never
+touches CUDA, runs no thread, and then only forks.
+
+The server is the stdlib's forkserver (:mod:`multiprocessing.forkserver`: its
+loop, its way of passing descriptors, watching and reaping the workers), started
+the way :meth:`~multiprocessing.forkserver.ForkServer.ensure_running` starts it,
+but with the caller's ``sys.path`` in place before it imports anything: Python
+3.11's server ignores the path it is given, so it would import torch and
+nn_handler with the current directory first (a copy of ``nn_handler`` there is
+what the workers would run). A worker then gets what a spawned process gets
+(the caller's ``sys.path`` and current directory, see
+:func:`multiprocessing.spawn.prepare`), and :func:`inheritance`: the caller's
+environment as it is when the worker starts, the main module to import once
+that is in place, and its own random seeds (:func:`base_seed` of its pool,
+its worker id); :func:`.worker.inherit` applies them in the worker.
+
+:func:`context` decides how workers start; ``spawn`` is used where there is
+no forkserver (not POSIX), in a child made with ``os.fork()`` (its parent's
+server is not its own to check on), and where the stdlib's forkserver is not
+the one this module knows how to start.
+
+Example:
+    >>> context().get_start_method() in ("forkserver", "spawn")
+    True
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+
+# What the server imports once for every worker it forks.
+PRELOAD = ["torch", "nn_handler.utils._workers.worker"]
+# The attributes of 3.8-3.13's ForkServer (a later one, with an authkey, gets ``spawn``).
+_LAYOUT = {"_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_inherited_fds", "_lock",
+           "_preload_modules"}
+_user: int | None = None  # the process whose forkserver this module started
+
+
+def context():
+    """The multiprocessing context every worker is started from (never ``fork``)."""
+    global _user
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    usable = ("forkserver" in mp.get_all_start_methods() and set(vars(server)) == _LAYOUT
+              and _user in (None, os.getpid()))
+    if not usable:
+        return mp.get_context("spawn")
+    _user = os.getpid()
+    # Should the server die between our check and a start, the stdlib starts its own: with the same imports.
+    server.set_forkserver_preload(PRELOAD)
+    _ensure_server(server)
+    return mp.get_context("forkserver")
+
+
+def base_seed() -> int:
+    """A pool's base seed, drawn from the caller's torch generator as :class:`~torch.utils.data.DataLoader` draws
+    its workers' (after ``torch.manual_seed``, the same run to run); see :func:`.worker.inherit`."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def inheritance(seed: int, worker_id: int) -> tuple:
+    """What a new worker gets from the caller, for :func:`.worker.inherit`: the environment as it is now, the
+    main module to import (once the environment is in place), its pool's ``seed`` and its own ``worker_id``
+    (unique in the pool, replacements included)."""
+    from multiprocessing import spawn
+
+    from .worker import main_module_hidden
+
+    with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
+        data = spawn.get_preparation_data("nn_handler-worker")
+    main = {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
+    return dict(os.environ), main, seed, worker_id
+
+
+def _ensure_server(server) -> None:
+    """Start the server unless the one recorded in the stdlib's forkserver singleton still runs."""
+    from multiprocessing import connection, resource_tracker, spawn, util
+
+    with server._lock:
+        if server._forkserver_pid is not None:
+            try:
+                pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
+            except ChildProcessError:
+                pid = -1
+            if not pid:
+                return  # still running
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+        resource_tracker.ensure_running()  # the stdlib's order: its descriptor is then the caller's
+        cmd = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path[:] = %r; "
+               "from multiprocessing.forkserver import main; main(%d, %d, %r)")
+        address = connection.arbitrary_address("AF_UNIX")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the server ends at EOF: the caller and every worker gone
+            try:
+                # sys.path is the caller's, set before the server imports anything (a Ctrl-C of the caller's
+                # terminal does not end it half-way through its imports: the caller decides).
+                code = cmd % (list(sys.path), listener.fileno(), alive_r, PRELOAD)
+                exe = spawn.get_executable()
+                args = [exe, *util._args_from_interpreter_flags(), "-c", code]
+                pid = util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid

@@ -1,0 +1,347 @@
+"""How a worker starts and what it inherits (nn_handler/utils/_workers/server.py, worker.inherit): never a fork of
+the caller, the caller's sys.path, environment and main module as they are when it starts, its own random streams.
+
+Each case runs in a fresh caller process: what a worker would inherit from a fork depends on everything that
+process did before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import REPO, kill_group, pids_alive, run_command
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _run(tmp_path, code: str, *args, env=None, cwd=None, timeout=120):
+    """Run ``code`` as a script in a fresh process; what it printed after ``RESULT``, parsed."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(code))
+    result = run_command([sys.executable, str(script), *map(str, args)], timeout=timeout,
+                         env={"PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-4000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+# ----------------------------------------------------------------------------- never a fork of the caller
+_NO_FORK = """
+    import json, os, sys
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def where(device):
+        return os.getpid(), os.getppid()
+
+    if __name__ == "__main__":
+        marks = sys.argv[1]
+        # What torch does once the CUDA driver was queried (device_count(), as a pool with a GPU does): a process
+        # forked from here is marked, and CUDA fails in it. Here a Python process forked from the caller leaves
+        # a file behind, and os.fork in the caller fails outright.
+        torch.cuda.device_count()
+        os.register_at_fork(after_in_child=lambda: open(os.path.join(marks, f"forked-{os.getpid()}"), "w").close())
+        def no_fork():
+            raise AssertionError("the caller forked")
+        os.fork = no_fork
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            first = ex.run(where)
+        with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1) as ex:
+            second = [ex.submit(where).result() for _ in range(2)]
+        print("RESULT", json.dumps({"first": first, "second": second, "me": os.getpid()}))
+"""
+
+
+def test_no_worker_or_server_is_a_fork_of_a_caller_that_queried_cuda(tmp_path):
+    out = _run(tmp_path, _NO_FORK, tmp_path)
+    assert not list(tmp_path.glob("forked-*")), "a process was forked from the caller"
+    workers = out["first"] + out["second"]
+    assert len({pid for pid, _ in workers}) == 4  # the replacements are new processes too
+    for pid, parent in workers:
+        assert parent != out["me"]  # from the server, which is no fork of the caller either (no mark above)
+
+
+def test_the_start_context_is_never_fork(monkeypatch):
+    import multiprocessing as mp
+
+    import torch
+
+    from nn_handler.utils._workers import server
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # whatever the caller did with CUDA
+    assert server.context().get_start_method() in ("forkserver", "spawn")
+    monkeypatch.setattr(server, "_user", -1)  # a child made with os.fork(): its parent's server is not its own
+    assert server.context().get_start_method() == "spawn"
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["fork", "spawn"])  # no forkserver on this system
+    monkeypatch.setattr(server, "_user", None)
+    assert server.context().get_start_method() == "spawn"
+
+
+# ----------------------------------------------------------------------------- sys.path, environment, main module
+_PATH_AND_ENV = """
+    import json, os, sys, threading
+    SEEN_AT_IMPORT = os.environ.get("NNH_TEST_LATE")  # the worker imports this script: with which environment?
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def report(device):
+        import nn_handler
+        main = sys.modules["__mp_main__"]
+        return {"nn_handler": nn_handler.__file__, "decoy": getattr(nn_handler, "DECOY", False),
+                "late": os.environ.get("NNH_TEST_LATE"), "at_import": main.SEEN_AT_IMPORT,
+                "gone": os.environ.get("NNH_TEST_GONE"), "cwd": os.getcwd()}
+
+    if __name__ == "__main__":
+        stop = threading.Event()
+        threading.Thread(target=stop.wait).start()  # most programs run a thread or two
+        os.environ["NNH_TEST_GONE"] = "set before the first pool"
+        with ParallelExecutor(device_ids=["cpu"]) as ex:
+            first = ex.run(report)
+        del os.environ["NNH_TEST_GONE"]
+        os.environ["NNH_TEST_LATE"] = "set before the second pool"
+        os.chdir(sys.argv[1])
+        with ParallelExecutor(device_ids=["cpu"]) as ex:
+            second = ex.run(report)
+        stop.set()
+        print("RESULT", json.dumps({"first": first, "second": second}))
+"""
+
+
+def test_workers_import_with_the_callers_path_and_get_its_present_environment(tmp_path):
+    import shutil
+
+    cwd = tmp_path / "cwd"  # the caller runs from here: a copy of nn_handler lies in it, not on the caller's path
+    shutil.copytree(REPO / "nn_handler", cwd / "nn_handler", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(cwd / "nn_handler" / "__init__.py", "a") as f:
+        f.write("\nDECOY = True\n")
+    later = tmp_path / "later"
+    later.mkdir()
+    out = _run(tmp_path, _PATH_AND_ENV, later, cwd=cwd)
+    first, second = out["first"][0], out["second"][0]
+    for worker in (first, second):
+        assert not worker["decoy"] and worker["nn_handler"] == str(REPO / "nn_handler" / "__init__.py"), worker
+    assert first["gone"] == "set before the first pool" and second["gone"] is None
+    assert second["late"] == "set before the second pool"
+    assert second["at_import"] == "set before the second pool"  # the main script's top level saw it too
+    assert second["cwd"] == str(later)
+
+
+# ----------------------------------------------------------------------------- random streams
+_SEEDS = """
+    import json, random, sys
+    import numpy
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def draw(*_, device=None):
+        return [float(torch.rand(1)), random.random(), float(numpy.random.rand())]
+
+    if __name__ == "__main__":
+        torch.manual_seed(int(sys.argv[1]))
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            a = ex.run(draw)
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            b = ex.run(draw)
+        with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1, pass_device=False) as ex:
+            c = [ex.submit(draw).result() for _ in range(2)]  # a replacement for each task
+        print("RESULT", json.dumps({"draws": a + b + c, "caller": draw()}))
+"""
+
+
+def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path):
+    out = _run(tmp_path, _SEEDS, 0)
+    draws = out["draws"] + [out["caller"]]
+    for stream in range(3):  # torch, random, numpy: no two workers (pools, replacements) nor the caller alike
+        values = [d[stream] for d in draws]
+        assert len(set(values)) == len(values), (stream, values)
+    assert _run(tmp_path, _SEEDS, 0)["draws"] == out["draws"]  # torch.manual_seed in the caller: the same numbers again
+    assert _run(tmp_path, _SEEDS, 1)["draws"] != out["draws"]
+
+
+# ----------------------------------------------------------------------------- what a fork of the caller carried
+# Each case: what the caller did before its first pool (`before`), then what a later pool's worker does (`check`,
+# returning True when it worked). A worker forked from the caller inherited each of these; a fresh one none.
+_CASES = {
+    # torch's inter-op pool used by the caller: a forked worker's own jit.fork waits for threads it does not have
+    "jit_fork": ("use_interop()", "sys.modules['__main__'].use_interop() == 4"),
+    # a lock held by a thread the threading module does not know of, taken by the worker too
+    "raw_thread_lock": ("import _thread, held; _thread.start_new_thread(held.hold, ()); held.taken.wait()",
+                        "__import__('held').LOCK.acquire(timeout=10)"),
+    # a pool started while a module is being imported: that module, half-imported, in every later worker
+    "pool_during_import": ("import halfway", "__import__('halfway').square(3) == 9"),
+    # the caller's memory (1 GiB) counted in a worker: replaced after every task under a 600 MiB limit
+    "caller_memory": ("big = torch.ones(1 << 28)", None),
+    # the caller's open file, its flock released by the caller, held on by the server
+    "flock": ("f = open('locked', 'w'); fcntl.flock(f, fcntl.LOCK_EX)", None),
+    # a copy of the caller (its command line) left running as its child after shutdown()
+    "copy_left_running": ("", None),
+}
+
+_TABLE = """
+    import fcntl, json, os, sys, time
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def use_interop():  # a scripted jit.fork runs on torch's inter-op pool
+        @torch.jit.script
+        def twice(x):
+            return x * 2
+
+        @torch.jit.script
+        def forked(x):
+            return torch.jit.wait(torch.jit.fork(twice, x))
+
+        return float(forked(torch.ones(2)).sum())
+
+    def check(device=None):
+        import torch
+        return bool(eval(sys.argv[2])), os.getpid()
+
+    if __name__ == "__main__":
+        case, before = sys.argv[1], sys.argv[3]
+        os.chdir(os.path.dirname(os.path.abspath(__file__)))
+        exec(before)
+        with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:  # the first pool: where a fork would be made
+            ex.run(lambda device: 1)
+        out = {}
+        if case == "caller_memory":
+            with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=600 << 20) as ex:
+                out["ok"] = len({ex.submit(os.getpid).result(timeout=30) for _ in range(3)}) == 1
+        elif case == "flock":
+            f.close()  # lets the lock go, unless another process holds the file open
+            with open("locked", "w") as again:
+                try:
+                    fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    out["ok"] = True
+                except BlockingIOError:
+                    out["ok"] = False
+        elif case == "copy_left_running":
+            me = open("/proc/self/cmdline", "rb").read()
+            children = [p for p in os.listdir("/proc") if p.isdigit() and
+                        open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            out["ok"] = not [p for p in children if open(f"/proc/{p}/cmdline", "rb").read() == me]
+        else:
+            with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:
+                try:
+                    [(out["ok"], _)] = ex.run(check)
+                except TimeoutError:
+                    out["ok"] = "timed out"
+        print("RESULT", json.dumps(out))
+"""
+
+_HELD = """
+import threading, time
+LOCK = threading.Lock()
+taken = threading.Event()
+
+def hold():
+    with LOCK:
+        taken.set()
+        time.sleep(3600)
+"""
+
+_HALFWAY = """
+import multiprocessing
+from nn_handler import ParallelExecutor
+
+if multiprocessing.parent_process() is None:  # in the caller, not in a worker that imports it to find square
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
+        ex.run(int)
+
+
+def square(x):
+    return x * x
+"""
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_nothing_the_caller_did_before_reaches_a_worker(tmp_path, case):
+    (tmp_path / "held.py").write_text(_HELD)
+    (tmp_path / "halfway.py").write_text(_HALFWAY)
+    before, check = _CASES[case]
+    out = _run(tmp_path, _TABLE, case, check or "True", before, timeout=100)
+    assert out["ok"] is True, out
+
+
+
+# ----------------------------------------------------------------------------- isolation, lifetime, nesting
+_HOLDS = """
+    import json, os, socket, sys
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def fds(device):
+        held = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return sorted(held)
+
+    def nested(device):
+        from nn_handler import ParallelExecutor
+        with ParallelExecutor(device_ids=["cpu"]) as inner:
+            return inner.run(lambda device: 7)
+
+    if __name__ == "__main__":
+        held = [socket.socket(), *os.pipe(), open(os.path.join(sys.argv[1], "log.txt"), "w")]
+        mine = [os.readlink(f"/proc/self/fd/{fd}") for fd in (held[0].fileno(), held[1], held[2], held[3].fileno())]
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            workers = ex.run(fds)
+            inner = ex.run(nested)
+        print("RESULT", json.dumps({"mine": mine, "workers": workers, "nested": inner}))
+"""
+
+
+def test_workers_hold_none_of_the_callers_files_and_may_start_their_own_executor(tmp_path):
+    out = _run(tmp_path, _HOLDS, tmp_path)
+    for held in out["workers"]:
+        assert not set(held) & set(out["mine"]), f"a worker holds the caller's {set(held) & set(out['mine'])}"
+    assert out["nested"] == [[7], [7]]
+
+
+_KILLED = """
+    import os, time
+    import torch
+    from nn_handler import ParallelExecutor
+    if __name__ == "__main__":
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            big = torch.ones(8 << 20)
+            print("PIDS", *[f"{p}:{s}" for p, s in ex.run(lambda x, device: (os.getpid(), os.getppid()), big)],
+                  flush=True)
+            ex.run(lambda x, device: time.sleep(300), big)
+"""
+
+
+def test_a_killed_caller_takes_its_server_and_workers_with_it(tmp_path):
+    import glob
+
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(_KILLED))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line + (proc.stdout.read() if proc.poll() is not None else "")
+        pairs = [p.split(":") for p in line.split()[1:]]
+        workers, servers = {int(p) for p, _ in pairs}, {int(s) for _, s in pairs}
+        assert len(servers) == 1 and proc.pid not in servers
+        time.sleep(0.5)  # the second call's argument is in shared memory
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while (pids_alive(workers | servers) or glob.glob(f"/dev/shm/nnh-{proc.pid}-*")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pids_alive(workers | servers), "the workers or their server outlived the caller"
+        assert glob.glob(f"/dev/shm/nnh-{proc.pid}-*") == []
+    finally:
+        kill_group(proc)
