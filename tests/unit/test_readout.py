@@ -16,7 +16,7 @@ from torch import nn
 
 from nn_handler import NNHandler
 from nn_handler import _tree
-from nn_handler._training import loop, progress
+from nn_handler._training import batches, progress
 from nn_handler._training.readout import HostReads, PendingValue
 from nn_handler.callbacks import Callback
 from nn_handler.errors import NonFiniteLossError
@@ -72,7 +72,7 @@ def test_batches_go_to_a_device_without_waiting(monkeypatch, device_reads):
         copies.append(non_blocking)  # a blocking host-to-device copy waits for the GPU
         return _tree.to_device(obj, device, non_blocking)
 
-    monkeypatch.setattr(loop, "to_device", to_device)
+    monkeypatch.setattr(batches, "to_device", to_device)  # every batch moves through batches.move
     X, y = make_data(32)
     handler = make_handler()
     handler.set_train_loader((X, y), batch_size=8)
