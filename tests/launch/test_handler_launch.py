@@ -55,6 +55,33 @@ def test_launch_raises_when_a_rank_fails_without_hanging():
     assert isinstance(info.value.exceptions[1], ValueError)
 
 
+def test_launch_reports_the_rank_that_raised_not_a_peer_relaying_it():
+    from nn_handler.utils.ddp_decorators import on_rank
+
+    @on_rank(0)
+    def save():
+        raise ValueError("bad config on rank 0")
+
+    def body():
+        import time
+
+        import torch.distributed as dist
+
+        try:
+            save()  # rank 1 raises a RankFailedError relaying rank 0's error, at once
+        except ValueError:
+            if dist.get_rank() == 0:
+                time.sleep(0.3)  # rank 0 cleans up first: the relay reaches the launcher first
+            raise
+
+    with pytest.raises(ParallelExecutionError, match="bad config on rank 0") as info:
+        NNHandler.launch(body, nprocs=2, timeout=100)
+    # The cause alone, as when a rank raises outright: rank 0's ValueError, not rank 1's relay of it.
+    assert [(f.rank, f.exc_type) for f in info.value.failures] == [(0, "ValueError")], info.value
+    assert ".body failed on rank 0 " in str(info.value)
+    assert type(info.value.exceptions[0]) is ValueError
+
+
 def test_launch_needs_nprocs_without_gpus():
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
@@ -175,6 +202,7 @@ def test_an_uncaught_failure_prints_each_ranks_traceback_once_root_cause_first(t
     assert out.count('raise ValueError("bad config on rank 0")  # the root cause') == 1, out
     # Python prints the cause first: the rank's own frames, then the launch call that raised.
     assert out.index("# the root cause") < out.index("NNHandler.launch(body") < out.index("failed on rank 0"), out
-    if not on_rank:  # (with it, whichever rank's failure came first ends the launch: rank 0's, or rank 1's relay)
-        assert out.count("Traceback (most recent call last)") == 2, out  # the worker's, then the caller's
-        assert out.count("body failed on rank 0") == 1, out
+    # With @on_rank too: rank 1's relay of the error gives way to rank 0's own, whichever came first.
+    assert out.count("Traceback (most recent call last)") == 2, out  # the worker's, then the caller's
+    assert out.count("body failed on rank 0") == 1, out
+    assert "failed on rank 1" not in out, out

@@ -45,6 +45,7 @@ from ...errors import (
     DistributedTimeoutError,
     ExecutorTimeoutError,
     ParallelExecutionError,
+    RankFailedError,
     RankFailure,
     RemoteFailure,
     WorkerDiedError,
@@ -178,7 +179,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
                 break  # the deadline: the ranks still running are killed below
             outcomes[rank] = outcome
             if fail_fast and outcome is not None and outcome.failure is not None:
-                _collect_deaths(replies, outcomes, deadline)
+                _collect_causes(replies, outcomes, rank, deadline)
                 break
     finally:
         # Whatever ended the wait (done, a failure, the deadline, Ctrl-C): no rank outlives the call.
@@ -189,13 +190,19 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     return outcomes
 
 
-def _collect_deaths(replies: queue.Queue, outcomes: list, deadline: float | None) -> None:
-    """After a first failure, take the deaths the other ranks report within a short grace.
+def _collect_causes(replies: queue.Queue, outcomes: list, first: int, deadline: float | None) -> None:
+    """After rank ``first``'s failure, take within a short grace the failures that caused it.
 
-    A rank that dies makes its peers' collectives fail at once ("Connection
-    reset by peer"), and that error can reach us a moment before the pool has
-    seen the death: the dead rank is the cause, and must not be lost to the race.
+    Two races can put a peer's error ahead of its cause. A rank that dies
+    makes its peers' collectives fail at once ("Connection reset by peer"),
+    and that error can reach us before the pool has seen the death. And when
+    an ``@on_rank`` function fails, every other rank raises a
+    ``RankFailedError`` relaying it at the moment the failing rank raises its
+    own error, which may still be on its way (a ``finally`` that cleans up).
+    The dead rank, or the rank that raised, is the cause and must not be lost:
+    a death is added, and a relay gives way to the error it relays.
     """
+    relayed = _relayed_ranks(first, outcomes[first])
     end = time.monotonic() + _DEATH_GRACE
     if deadline is not None:
         end = min(end, deadline)
@@ -206,8 +213,21 @@ def _collect_deaths(replies: queue.Queue, outcomes: list, deadline: float | None
         except queue.Empty:
             return
         waiting -= 1
-        if outcome is not None and outcome.failure is not None and outcome.failure.died:
-            outcomes[rank] = outcome  # a peer's own error is left out: fail-fast reports the cause alone
+        if outcome is None or outcome.failure is None:
+            continue  # a peer's own error is left out: fail-fast reports the cause alone
+        if outcome.failure.died:
+            outcomes[rank] = outcome
+        elif rank in relayed and outcomes[first] is not None:
+            outcomes[rank] = outcome
+            outcomes[first] = None  # the relay only repeats that rank's error
+
+
+def _relayed_ranks(rank: int, outcome: _Outcome) -> set[int]:
+    """The ranks whose error this failure only relays (a RankFailedError raised for another rank's failure)."""
+    exc = outcome.exception
+    if isinstance(exc, RankFailedError) and rank not in exc.ranks:
+        return set(exc.ranks)
+    return set()
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None, timeout: float | None,
@@ -224,6 +244,9 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
             ``initialize_ddp``'s ``stall_timeout``).
         WorkerDiedError: A rank's process died (the errors its death caused in its peers, if they
             came within a second, are in ``failures`` too).
+
+    An ``@on_rank`` function's failure is reported from the rank that raised
+    it, not from a peer's ``RankFailedError`` relaying it.
         ExecutorTimeoutError: The call ran past ``timeout`` (a ``TimeoutError``).
         ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
     """
