@@ -206,3 +206,54 @@ def test_an_uncaught_failure_prints_each_ranks_traceback_once_root_cause_first(t
     assert out.count("Traceback (most recent call last)") == 2, out  # the worker's, then the caller's
     assert out.count("body failed on rank 0") == 1, out
     assert "failed on rank 1" not in out, out
+
+
+_FAILING_TRAINING = '''
+import torch
+from nn_handler import NNHandler
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.get_rank() == 0 and self.calls == 3:
+            raise ValueError("bad batch on rank 0")  # the root cause
+        return self.lin(x)
+
+
+def body():
+    handler = NNHandler(Model(), device="cpu")
+    handler.set_optimizer(torch.optim.SGD, lr=0.1)
+    handler.set_loss_fn(torch.nn.MSELoss())
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    handler.set_train_loader(data, batch_size=4)
+    handler.train(2, progress=False)  # rank 1 waits in DDP's all_reduce for rank 0
+
+
+if __name__ == "__main__":
+    NNHandler.launch(body, nprocs=2, timeout=100)
+'''
+
+
+def test_a_rank_failing_in_training_leaves_no_noise_from_the_ranks_it_left_behind(tmp_path):
+    # Rank 1 waits in a collective for rank 0, which raised: it is stopped before it can see rank 0 go,
+    # so neither a stall report calling rank 0 dead nor the store's C++ "Broken pipe" comes before the cause.
+    script = tmp_path / "job.py"
+    script.write_text(_FAILING_TRAINING)
+    result = run_command([sys.executable, str(script)], timeout=150, cwd=tmp_path)
+    out = result.stdout
+    assert result.returncode == 1, out
+    assert out.count('raise ValueError("bad batch on rank 0")  # the root cause') == 1, out
+    assert out.count("Traceback (most recent call last)") == 2, out
+    assert "stall report" not in out and "Broken pipe" not in out and "DEAD" not in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]  # no stall report file either
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("nn_handler.errors.ParallelExecutionError: body failed on rank 0 "), out
+

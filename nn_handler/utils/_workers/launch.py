@@ -91,7 +91,8 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
     result = fn(rank, *args, **kwargs) if setup.pass_rank else fn(*args, **kwargs)
     # Only on success: after a failure the group is left as it is, so the
     # failed rank's own error reaches the caller first rather than a peer's
-    # "connection closed"; its process ends right after (see _call_rank).
+    # "connection closed"; its process ends right after (see _call_rank and
+    # _stop_bystanders: under fail-fast, once its peers are stopped).
     from ..ddp import cleanup_ddp
 
     cleanup_ddp()
@@ -106,7 +107,7 @@ class _Outcome:
 
 
 def _call_rank(executor: ParallelExecutor, rank: int, payload: bytes, setup: _Setup, name: str,
-               outcomes: queue.Queue) -> None:
+               outcomes: queue.Queue, fail_fast: bool) -> None:
     outcome: _Outcome | None = None
     try:
         [value] = executor._run(_rank_body, (payload, rank, setup), {}, name=name)
@@ -125,8 +126,11 @@ def _call_rank(executor: ParallelExecutor, rank: int, payload: bytes, setup: _Se
         # and fails cannot overtake the root cause in the queue.
         outcomes.put((rank, outcome))
         # The process ends with its call, so its peers see it leave at once
-        # instead of waiting in a collective until the group's timeout.
-        executor.shutdown()
+        # instead of waiting in a collective until the group's timeout. Under
+        # fail-fast a failed rank is left to the launcher, which stops its
+        # peers first (see _stop_bystanders).
+        if not (fail_fast and outcome is not None and outcome.failure is not None):
+            executor.shutdown()
 
 
 def _kill(executor: ParallelExecutor) -> None:
@@ -167,7 +171,8 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
                 executor.start()
         replies: queue.Queue = queue.Queue()
         for rank, executor in enumerate(executors):
-            thread = threading.Thread(target=_call_rank, args=(executor, rank, payload, setup, name, replies),
+            thread = threading.Thread(target=_call_rank,
+                                      args=(executor, rank, payload, setup, name, replies, fail_fast),
                                       name=f"nn_handler-rank{rank}", daemon=True)
             thread.start()
             threads.append(thread)
@@ -179,7 +184,8 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
                 break  # the deadline: the ranks still running are killed below
             outcomes[rank] = outcome
             if fail_fast and outcome is not None and outcome.failure is not None:
-                _collect_causes(replies, outcomes, rank, deadline)
+                stopped = _stop_bystanders(executors, outcomes, rank)
+                _collect_causes(replies, outcomes, rank, deadline, stopped)
                 break
     finally:
         # Whatever ended the wait (done, a failure, the deadline, Ctrl-C): no rank outlives the call.
@@ -190,7 +196,38 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     return outcomes
 
 
-def _collect_causes(replies: queue.Queue, outcomes: list, first: int, deadline: float | None) -> None:
+def _stop_bystanders(executors: list, outcomes: list, first: int) -> set[int]:
+    """Kill at once the ranks that rank ``first``'s own error leaves behind; the ranks killed.
+
+    Once a rank has raised an error of its own (not its death, not a
+    collective that failed because a peer went away, not a stall), what its
+    peers do next is a consequence. Left running through the grace, they see
+    it go and print what that does to them before its error is raised: the
+    store's "Broken pipe" from C++, a stall report calling it dead. A rank
+    whose error ``first`` only relays is spared: its own error is the cause.
+    """
+    outcome = outcomes[first]
+    if outcome.failure.died or not _is_own_error(outcome.exception):
+        return set()
+    spared = _relayed_ranks(first, outcome) | {first}
+    stopped = {r for r, o in enumerate(outcomes) if o is None and r not in spared}
+    for r in stopped:
+        _kill(executors[r])
+    return stopped
+
+
+def _is_own_error(exc: BaseException | None) -> bool:
+    """Whether a rank raised ``exc`` itself, rather than because a peer failed, died or stalled."""
+    import torch.distributed as dist
+
+    from .._stall import _is_peer_failure
+
+    consequences = (CollectiveStallError, DistributedTimeoutError, dist.DistError)
+    return exc is not None and not isinstance(exc, consequences) and not _is_peer_failure(exc)
+
+
+def _collect_causes(replies: queue.Queue, outcomes: list, first: int, deadline: float | None,
+                    stopped: set[int]) -> None:
     """After rank ``first``'s failure, take within a short grace the failures that caused it.
 
     Two races can put a peer's error ahead of its cause. A rank that dies
@@ -213,7 +250,7 @@ def _collect_causes(replies: queue.Queue, outcomes: list, first: int, deadline: 
         except queue.Empty:
             return
         waiting -= 1
-        if outcome is None or outcome.failure is None:
+        if rank in stopped or outcome is None or outcome.failure is None:
             continue  # a peer's own error is left out: fail-fast reports the cause alone
         if outcome.failure.died:
             outcomes[rank] = outcome
