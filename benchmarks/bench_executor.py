@@ -9,6 +9,9 @@ floor the machine itself sets, measured in the same run.
                                                      # PYTHONPATH=<other checkout> python benchmarks/bench_executor.py --cold)
     python benchmarks/bench_executor.py --closure    # only: a 64 MiB tensor in a closure vs as an argument
 
+The warm latencies depend on where the kernel puts the caller and the workers; ``bench_layout.py`` times
+them, and the bare round trips, with every process pinned, layout by layout.
+
 CPU workers (two unless ``--workers``). Prints one table: warm per-call latency of a broadcast
 call (one task per worker), the round trip of one ``submit(...).result()``, map throughput over 4000 small tensors (chunks of
 64; the median of three maps, each after a full garbage collection), result throughput for a 64 MiB tensor per worker (the worker keeps the
