@@ -964,16 +964,18 @@ def test_script_fed_on_stdin_starts_its_workers(tmp_path):
     assert "MAP [2, 4, 6] 1048576.0" in result.stdout and "WHERE ['cpu', 'cpu']" in result.stdout, result.stdout
 
 
-def test_main_module_hidden_restores_the_main_module():
-    from nn_handler.utils._workers.worker import main_module_hidden
+def test_a_worker_is_told_the_main_module_to_import_and_the_callers_is_left_as_it_was(monkeypatch):
+    from nn_handler.utils._workers import server
 
     main = sys.modules["__main__"]
     before = (getattr(main, "__file__", None), main.__spec__)
-    with main_module_hidden():
-        assert getattr(main, "__file__", None) is None and main.__spec__ is None
+    module = server.inheritance(0, 0)[1]
+    assert module and set(module) <= {"init_main_from_name", "init_main_from_path"}, module
+    assert server.inheritance(0, 0, main=False)[1] == {}  # NNHandler.launch's ranks: fn travels by value
     assert (getattr(main, "__file__", None), main.__spec__) == before
-    with main_module_hidden(always=False):  # pytest's main is a real file or module: left alone
-        assert (getattr(main, "__file__", None), main.__spec__) == before
+    monkeypatch.setattr(main, "__spec__", None)
+    monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)  # python - < train.py: nothing to import
+    assert server.inheritance(0, 0)[1] == {}
 
 
 # ----------------------------------------------------------------------------- real GPUs

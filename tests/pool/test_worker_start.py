@@ -345,3 +345,76 @@ def test_a_killed_caller_takes_its_server_and_workers_with_it(tmp_path):
         assert glob.glob(f"/dev/shm/nnh-{proc.pid}-*") == []
     finally:
         kill_group(proc)
+
+
+# ----------------------------------------------------------------------------- the caller's __main__ is left alone
+_MAIN_WATCHED = """
+    import os, sys, threading, time
+
+    def f(x):  # found by ProcessPoolExecutor's spawned workers, which import this script
+        return x * 2
+
+    def stop_here(device=None):
+        raise SystemExit(3)  # the worker ends: the next call starts a replacement
+
+    if __name__ == "__main__":
+        import concurrent.futures, json, multiprocessing
+        from nn_handler import ParallelExecutor, parallelize_on_gpus
+
+        done, misses, reads, spawned = threading.Event(), [], [0], []
+
+        def read_main_file():  # what a thread of the caller does: its own module's __file__, over and over
+            while not done.is_set():
+                try:
+                    os.path.dirname(__file__)
+                    sys.modules["__main__"].__spec__  # (None for a script: that it is there is what counts)
+                except (NameError, AttributeError) as exc:
+                    misses.append(repr(exc))
+                reads[0] += 1
+                time.sleep(0)  # lets the other threads have the interpreter between reads
+
+        def use_a_process_pool():  # the standard's pool, spawning a process per task meanwhile
+            spawn = multiprocessing.get_context("spawn")
+            while not done.is_set():
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+                    try:
+                        spawned.append(pool.submit(f, 21).result(timeout=60))
+                    except Exception as exc:
+                        spawned.append(repr(exc))
+
+        threads = [threading.Thread(target=read_main_file), threading.Thread(target=use_a_process_pool)]
+        for t in threads:
+            t.start()
+        try:
+            with ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False) as ex:  # the first start
+                for _ in range(2):
+                    try:
+                        ex.submit(stop_here).result()
+                    except Exception:
+                        pass
+                    ex.run(f, 1)  # a replacement starts
+            with ParallelExecutor(max_workers=1, max_tasks_per_worker=1) as ex:  # recycling
+                [ex.submit(f, i).result() for i in range(3)]
+
+            @parallelize_on_gpus(device_ids=["cpu"], pass_device=False, keep_alive=0)
+            def decorated(x):  # a fresh pool for every call
+                return x + 1
+
+            [decorated(i) for i in range(2)]
+        finally:
+            done.set()
+            for t in threads:
+                t.join()
+        print("RESULT", json.dumps({"misses": misses[:5], "n_misses": len(misses), "reads": reads[0],
+                                    "spawned": spawned}))
+"""
+
+
+def test_starting_workers_leaves_the_callers_main_module_alone(tmp_path):
+    # Another thread of the caller reads its module's __file__ while workers start (first start, replacements,
+    # recycling, a decorator's pools), and uses ProcessPoolExecutor(spawn), whose children import __main__ by
+    # the name the caller's __main__ gives at that moment.
+    out = _run(tmp_path, _MAIN_WATCHED, timeout=140)
+    assert out["reads"] > 0
+    assert out["n_misses"] == 0, out["misses"]
+    assert out["spawned"] and set(out["spawned"]) == {42}, out["spawned"]

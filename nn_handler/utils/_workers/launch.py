@@ -10,7 +10,7 @@ Data flow::
     caller                               thread r (one per rank)            worker r (a one-worker pool)
     ------                               -----------------------            ----------------------------
     pickle (fn, args, kwargs) once
-    start pool r, main module hidden
+    start pool r (no main script)
     one thread per rank ───────────────> pool_r.run(_rank_body) ──────────> caller's env + RANK..., threads,
                                                                             join the group, fn, leave the group
     outcomes.get(until the deadline) <── put (rank, outcome), then stop
@@ -54,7 +54,6 @@ from .._devices import cuda_count
 from .._stall import resolve_stall_timeout
 from . import pickler
 from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _threads_per_worker
-from .worker import main_module_hidden
 
 __all__ = ["launch", "run_ranks"]
 
@@ -166,9 +165,9 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     outcomes: list[_Outcome | None] = [None] * nprocs
     threads: list[threading.Thread] = []
     try:
-        with main_module_hidden():  # fn travels by value: the ranks need not re-run the caller's script
-            for executor in executors:
-                executor.start()
+        for executor in executors:
+            executor._pool.import_main = False  # fn travels by value: the ranks need not re-run the caller's script
+            executor.start()
         replies: queue.Queue = queue.Queue()
         for rank, executor in enumerate(executors):
             thread = threading.Thread(target=_call_rank,

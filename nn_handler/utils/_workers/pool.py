@@ -61,7 +61,7 @@ from . import transport as _transport
 from .calls import _Slot, _Task
 from .scheduler import _STOP_GRACE, Scheduler
 from .settling import SettlingLock
-from .worker import guard_against_bootstrap, main_module_hidden, worker_main
+from .worker import guard_against_bootstrap, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
@@ -114,6 +114,7 @@ class WorkerPool(Scheduler):
         self._threads = threads
         self._start_timeout = start_timeout
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
+        self.import_main = True  # a new worker imports the caller's main script (see server.inheritance)
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
         self._seed = server.base_seed()  # every worker's random streams derive from it and its place
         self._slots = [_Slot(i, d) for i, d in enumerate(devices)]
@@ -188,12 +189,14 @@ class WorkerPool(Scheduler):
         # worker. What daemon=True gave, the pool does itself: shutdown() and
         # the executor's finalizer end the workers (also at exit), and a
         # worker ends on its own on EOF or when the caller is gone.
-        process = ctx.Process(
+        process = server.process(
+            ctx,
             target=worker_main,
             args=(child_conn, slot.index, slot.device, self._threads, self._init_blob,
                   self._pass_device, prefix, os.getpid(), reads, started,
                   # one worker id for each place and replacement: no two workers of the pool draw alike
-                  server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1))),
+                  server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1),
+                                     main=self.import_main)),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -201,8 +204,7 @@ class WorkerPool(Scheduler):
         # not know of: it is delivered once the slot holds the process.
         with pipes.sigint_deferred():
             try:
-                with main_module_hidden():  # the worker imports it itself, see worker.inherit
-                    process.start()
+                process.start()
             except BaseException:
                 parent_conn.close()
                 child_conn.close()

@@ -33,10 +33,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import socket
 import sys
+import types
 
 # What the server imports once for every worker it forks.
 PRELOAD = ["torch", "nn_handler.utils._workers.worker"]
@@ -71,18 +73,82 @@ def base_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
-def inheritance(seed: int, worker_id: int) -> tuple:
+def inheritance(seed: int, worker_id: int, *, main: bool = True) -> tuple:
     """What a new worker gets from the caller, for :func:`.worker.inherit`: the environment as it is now, the
-    main module to import (once the environment is in place), its pool's ``seed`` and its own ``worker_id``
-    (unique in the pool, replacements included)."""
+    main module to import once the environment is in place (``main=False``: none), its pool's ``seed`` and its
+    own ``worker_id`` (unique in the pool, replacements included)."""
     from multiprocessing import spawn
 
-    from .worker import main_module_hidden
+    module = {}
+    if main:
+        data = spawn.get_preparation_data("nn_handler-worker")  # reads the caller's __main__, changes nothing
+        module = {k: v for k, v in data.items() if k in _MAIN_KEYS}
+        if not os.path.isfile(module.get("init_main_from_path", __file__)):
+            module = {}  # a script fed on stdin (`python - < train.py`) is named "<stdin>": no file to import
+    return dict(os.environ), module, seed, worker_id
 
-    with main_module_hidden(always=False):  # a script fed on stdin cannot be imported
-        data = spawn.get_preparation_data("nn_handler-worker")
-    main = {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
-    return dict(os.environ), main, seed, worker_id
+
+def process(ctx, **kwargs) -> mp.process.BaseProcess:
+    """A process of ``ctx`` (``Process(**kwargs)``, not started) that starts without importing the caller's
+    main script: the worker imports it itself, once it has the caller's environment (see :func:`inheritance`).
+
+    The start reads the caller's ``__main__`` and changes nothing of it, so another thread of the caller (its
+    own ``__file__``, a ``ProcessPoolExecutor`` starting processes of its own) sees it as it is throughout.
+    """
+    cls = {"forkserver": _ForkServerWorker, "spawn": _SpawnWorker}.get(ctx.get_start_method())
+    return (cls or ctx.Process)(**kwargs)
+
+
+# What the preparation data of a spawned or forkserver child says of the main module.
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+
+
+class _SpawnWithoutMain:
+    """Stands for :mod:`multiprocessing.spawn` in a ``Popen._launch``: its preparation data names no main module."""
+
+    def __getattr__(self, name):
+        return getattr(_spawn(), name)
+
+    @staticmethod
+    def get_preparation_data(name: str) -> dict:
+        data = _spawn().get_preparation_data(name)
+        for key in _MAIN_KEYS:
+            data.pop(key, None)
+        return data
+
+
+def _spawn():
+    from multiprocessing import spawn
+
+    return spawn
+
+
+@functools.cache
+def _without_main(popen: type) -> type:
+    """``popen`` (the stdlib's ``Popen`` of a start method), its ``_launch`` run with :class:`_SpawnWithoutMain`
+    as its ``spawn``: this Python's own code, not a copy of it, and no module changed for anyone else."""
+    launch = popen._launch
+    own = types.FunctionType(launch.__code__, dict(launch.__globals__, spawn=_SpawnWithoutMain()), launch.__name__,
+                             launch.__defaults__, launch.__closure__)
+    return type(popen.__name__, (popen,), {"_launch": own, "__module__": __name__})
+
+
+if sys.platform != "win32":  # (on Windows a spawned child gets the main module at its bootstrap, as usual)
+    class _ForkServerWorker(mp.context.ForkServerProcess):
+        @staticmethod
+        def _Popen(process_obj):
+            from multiprocessing import popen_forkserver
+
+            return _without_main(popen_forkserver.Popen)(process_obj)
+
+    class _SpawnWorker(mp.context.SpawnProcess):
+        @staticmethod
+        def _Popen(process_obj):
+            from multiprocessing import popen_spawn_posix
+
+            return _without_main(popen_spawn_posix.Popen)(process_obj)
+else:
+    _ForkServerWorker = _SpawnWorker = None
 
 
 def _ensure_server(server) -> None:

@@ -17,7 +17,6 @@ message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import pickle
@@ -415,38 +414,3 @@ def _importing_main() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-_main_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def main_module_hidden(always: bool = True):
-    """Start processes inside this block so that they do not re-run the caller's main script.
-
-    A spawn or forkserver child imports the main script (as ``__mp_main__``)
-    before its target when ``__main__`` has a ``__file__`` or ``__spec__``;
-    with both hidden for the moment of ``start()``, it runs only its target.
-    Functions defined in the script travel by value (cloudpickle), so they need
-    nothing from it. ``always=False`` hides them only where a child could not
-    import the script anyway: fed on stdin (``python - < train.py``), it is
-    named ``<stdin>``, a file that does not exist, and every child would die.
-    """
-    with _main_lock:  # two threads starting processes must not restore each other's hiding early
-        main = sys.modules.get("__main__")
-        path, spec = getattr(main, "__file__", None), getattr(main, "__spec__", None)
-        hide = path is not None or spec is not None
-        if not always:
-            hide = spec is None and path is not None and not os.path.isfile(path)
-        if not hide:
-            yield
-            return
-        if path is not None:
-            del main.__file__
-        main.__spec__ = None
-        try:
-            yield
-        finally:
-            if path is not None:
-                main.__file__ = path
-            main.__spec__ = spec
