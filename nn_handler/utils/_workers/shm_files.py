@@ -7,12 +7,35 @@ warning per process. Files are named ``nnh-<pid of the caller>-<tag>-<n>`` in
 either directory: whoever cleans up a sender, a call or a dead caller globs
 that name. What goes into the files, and how they are mapped, is
 :mod:`.transport`.
+
+The caller's files (arguments, map items, a function's large tensors) keep
+no name: each is unlinked the moment it is created and lives as long as a
+descriptor of it, which the caller holds until its call is over (``held``,
+see :func:`create`); a worker opens it through ``/proc/<caller>/fd/<n>``.
+However the job ends, a kill of the whole process group included, the
+kernel frees what nobody holds, and no name is left in ``/dev/shm``. (The
+name still shows in the processes' ``/proc/<pid>/maps``, as ``(deleted)``.)
+A worker's results are named until the caller maps them (the caller may
+read them after the worker died), and the worker removes what a dead
+caller left (see :mod:`.worker`).
+
+Example:
+    >>> import tempfile
+    >>> prefix = f"{tempfile.mkdtemp()}/nnh-{os.getpid()}-doc-"
+    >>> ref, fd = create(prefix, 0, 4, spill=False, hold=True)
+    >>> os.write(fd, b"data"), glob.glob(prefix + "*")   # written, and no name
+    (4, [])
+    >>> reader = open_file(ref, os.O_RDONLY); os.read(reader, 4)
+    b'data'
+    >>> os.close(reader); remove_files([ref]); remove_files([ref])   # let go once, whoever asks twice
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import stat
 import tempfile
 import threading
 import warnings
@@ -27,12 +50,102 @@ _spill_warned = False
 _create_lock = threading.Lock()
 
 
-def remove_files(paths) -> None:
-    for path in paths:
+# The caller's files held with no name: descriptor -> inode. A file is let go once, by whoever asks first:
+# a descriptor closed twice would close another file that took its number meanwhile.
+_held: dict[int, int] = {}
+_held_lock = threading.Lock()
+_held_max: list = []  # [how many files may be held at once], filled at first use
+
+
+def remove_files(refs) -> None:
+    """Remove each file of ``refs`` (as :func:`create` returned them): unlink a name, let go of a held file."""
+    for ref in refs:
+        if type(ref) is str:
+            try:
+                os.unlink(ref)
+            except FileNotFoundError:
+                pass
+        else:
+            fd, inode = ref[1], ref[3]
+            with _held_lock:
+                if _held.get(fd) != inode:
+                    continue  # let go already
+                del _held[fd]
+            os.close(fd)
+
+
+def create(prefix: str, number: int, nbytes: int, *, spill: bool, hold: bool) -> tuple[str | tuple, int]:
+    """A new file for one tensor, ``(ref, fd)``: ``ref`` is what a reader passes to :func:`open_file` and
+    :func:`remove_files` takes; ``fd`` is open for writing.
+
+    ``hold``: the file keeps no name; ``fd`` stays open until :func:`remove_files` lets it go (the caller's
+    files, read while it lives). Otherwise ``ref`` is the file's name and the caller closes ``fd``. Where
+    ``/proc`` is missing, or the process holds as many files as it may (half its descriptors' limit: a long
+    queue of large arguments), the file is named as it was before.
+    """
+    path, fd = _create(prefix, number, nbytes, spill=spill)
+    if not (hold and _may_hold()):
+        return path, fd
+    try:
+        os.unlink(path)  # at once: from now on the file lasts as long as a descriptor of it, however we end
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        remove_files([path])
+        raise
+    with _held_lock:
+        _held[fd] = info.st_ino
+    return (os.getpid(), fd, info.st_dev, info.st_ino), fd
+
+
+def open_file(ref, flags: int) -> int:
+    """A descriptor of the file ``ref`` (from :func:`create`, maybe of another process), opened with ``flags``.
+
+    Raises ``FileNotFoundError`` when it is gone: its name removed, or its holder let go of it (the number it
+    had may now be another file's: that is checked, not read).
+    """
+    if type(ref) is str:
+        return os.open(ref, flags)
+    pid, fd, device, inode = ref
+    gone = FileNotFoundError(errno.ENOENT, f"a shared-memory file of process {pid} was let go before it was read")
+    try:
+        # O_NONBLOCK: if the number is a pipe's now, opening it must not wait for a writer
+        own = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_NONBLOCK | os.O_NOCTTY)
+    except PermissionError:
+        raise
+    except OSError as exc:
+        raise gone from exc
+    info = os.fstat(own)
+    if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (device, inode):
+        os.close(own)
+        raise gone
+    return own
+
+
+def _may_hold() -> bool:
+    if not _held_max:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            limit = 1 << 16 if limit == resource.RLIM_INFINITY else limit
+        except (ImportError, ValueError, OSError):
+            limit = 1024
+        _held_max.append(limit // 2 if os.path.isdir("/proc/self/fd") else 0)
+        os.register_at_fork(after_in_child=_forget_held)
+    return len(_held) < _held_max[0]
+
+
+def _forget_held() -> None:
+    """In a child made with ``os.fork()``: the parent's files are the parent's (its calls, its workers)."""
+    global _held_lock
+    _held_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
             pass
+    _held.clear()
 
 
 def shm_dir() -> str | None:

@@ -4,8 +4,11 @@ Small objects travel as cloudpickle bytes (lambdas, closures and functions
 defined in ``__main__`` or a notebook included; their code keeps the name of
 its file, see :mod:`.pickler`). A CPU tensor of at least
 ``SHM_THRESHOLD`` bytes is copied once into a file under ``/dev/shm`` and only
-its name travels; the receiver maps that file (torch owns the mapping, so it is
-released with the tensor) and unlinks the name at once.
+a reference to the file travels; the receiver maps that file (torch owns the
+mapping, so it is released with the tensor). The caller's files have no name
+from the start: a worker opens them through the caller's descriptor; a
+worker's results are named until the caller maps them and unlinks the name
+(:mod:`.shm_files`).
 
 Functions travel the same way (:meth:`Encoder.pack_function`), except that
 their large tensors are referenced by index rather than embedded: the rest,
@@ -26,7 +29,9 @@ its file, through a mapping the worker keeps page-locked.
 Why not torch.multiprocessing's shared-memory reducers: they hand over file
 descriptors that the *sending* process must stay alive to serve, so a worker
 that exits right after sending loses its results (the ``EOFError`` trap). A
-named file outlives its writer, and its reader needs nobody.
+result's named file outlives its writer, and its reader needs nobody. The
+caller's files need their sender alive, and that is the caller: its workers
+serve nobody else.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from . import lending
 from .tensor_bytes import pack_list, reduce_tensor
 from .pickler import Pickler
 from .function_memo import fresh_copy
-from .shm_files import SHM_DIR_ENV, _create, _seen_dirs, _warn_spill, remove_files, spill_dir
+from .shm_files import SHM_DIR_ENV, _seen_dirs, _warn_spill, create, open_file, remove_files, spill_dir
 # Re-exported (their home was here): the pool and the worker name their files through the transport.
 from .shm_files import remove_prefixed, remove_process_files, shm_prefix  # noqa: F401
 
@@ -66,16 +71,16 @@ def _map(fd: int, path: str, nbytes: int, shared: bool) -> torch.UntypedStorage:
                                           nbytes=nbytes)
 
 
-def _rebuild_shared(path: str, nbytes: int, dtype: torch.dtype, shape, requires_grad: bool, private: bool):
+def _rebuild_shared(ref, nbytes: int, dtype: torch.dtype, shape, requires_grad: bool, private: bool):
     # private=True maps copy-on-write: an argument shared by every worker must
-    # not see one worker's in-place writes.
-    fd = os.open(path, os.O_RDONLY if private else os.O_RDWR)  # FileNotFoundError: removed before it was read
+    # not see one worker's in-place writes. ``ref``: see shm_files.create.
+    fd = open_file(ref, os.O_RDONLY if private else os.O_RDWR)  # FileNotFoundError: removed before it was read
     try:
-        storage = _map(fd, path, nbytes, shared=not private)
+        storage = _map(fd, ref, nbytes, shared=not private)
     finally:
         os.close(fd)
-    if not private:
-        os.unlink(path)  # read by one process only: drop the name now
+    if not private and type(ref) is str:
+        os.unlink(ref)  # a named file read by one process only: drop the name now
     tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
@@ -127,16 +132,17 @@ def plain(obj, depth: int = 0) -> bool:
 
 class _Pickler(Pickler):
     def __init__(self, file, prefix: str | None, counter, *, to_cpu: bool, private: bool, spill: bool = False,
-                 probe: bool = False, lent: lending.WorkerFiles | None = None):
+                 probe: bool = False, lent: lending.WorkerFiles | None = None, hold: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._lent = lent
+        self._hold = hold
         self._prefix = prefix
         self._counter = counter
         self._to_cpu = to_cpu
         self._private = private
         self._spill = spill
         self._probe = probe
-        self.created: list[str] = []
+        self.created: list = []  # each file made, as shm_files.create names it
         self.written: list[tuple[str, int, int]] = []  # (name, fd, bytes) of each file written, lent ones open
         self.needs_files = False
 
@@ -178,13 +184,13 @@ class _Pickler(Pickler):
             return _rebuild_lent, (self._prefix, path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad)
         return _rebuild_shared, (path, t.nbytes, t.dtype, tuple(t.shape), t.requires_grad, self._private)
 
-    def _write(self, t: torch.Tensor) -> str:
-        """Copy ``t`` into a spare file of its size (a lending sender), else into a new file; its name."""
+    def _write(self, t: torch.Tensor):
+        """Copy ``t`` into a spare file of its size (a lending sender), else into a new file; how a reader finds it."""
         taken = self._lent.take(t.nbytes) if self._lent is not None and not self._spill else None
         if taken is not None:
             path, fd = taken
         else:
-            path, fd = _create(self._prefix, next(self._counter), t.nbytes, spill=self._spill)
+            path, fd = create(self._prefix, next(self._counter), t.nbytes, spill=self._spill, hold=self._hold)
             self.created.append(path)
         self.written.append((path, fd, t.nbytes))
         try:
@@ -199,7 +205,7 @@ class _Pickler(Pickler):
             while written < len(view):
                 written += os.pwrite(fd, view[written:], written)
         finally:
-            if self._lent is None:
+            if self._lent is None and type(path) is str:  # (a held file's descriptor is the file)
                 os.close(fd)
         return path
 
@@ -214,14 +220,14 @@ class _FunctionPickler(_Pickler):
     ints and strings included, and it doubled the cost of a small lambda.)
     """
 
-    def __init__(self, file, prefix: str | None, counter, *, spill: bool = False):
-        super().__init__(file, prefix, counter, to_cpu=False, private=True, spill=spill)
+    def __init__(self, file, prefix: str | None, counter, *, spill: bool = False, hold: bool = False):
+        super().__init__(file, prefix, counter, to_cpu=False, private=True, spill=spill, hold=hold)
         self.bindings: list[tuple] = []  # per index: how the worker maps this call's file (see _rebuild_shared)
 
     def _reduce_large(self, t: torch.Tensor):
         # (A small tensor stays in the bytes: a change to it changes the function's digest.)
         _, args = super()._reduce_large(t)  # _rebuild_shared's: this pickler neither probes nor lends
-        self.bindings.append(args[:-1])  # (path, nbytes, dtype, shape, requires_grad)
+        self.bindings.append(args[:-1])  # (file, nbytes, dtype, shape, requires_grad)
         # Met twice, a tensor is reduced once (pickle's memo): one file, one tensor in the worker.
         return _bound_tensor, (len(self.bindings) - 1,)
 
@@ -267,19 +273,25 @@ class Encoder:
         lend: The receiver keeps the file's name and gives it back once it
             drops the tensor; this sender writes a later tensor of the same
             size into it (a worker's results do this; see :mod:`.lending`).
+        hold: The files keep no name; this sender holds them open until they
+            are removed, and its receivers must read them while it lives
+            (the caller's files; see :func:`.shm_files.create`). By default
+            unless ``lend``.
     """
 
-    def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False, lend: bool = False):
+    def __init__(self, prefix: str | None, *, to_cpu: bool = False, private: bool = False, lend: bool = False,
+                 hold: bool | None = None):
         self.prefix = prefix
         self.to_cpu = to_cpu
         self.private = private
+        self.hold = not lend if hold is None else hold
         self.lent = lending.WorkerFiles() if lend and prefix and lending.available() else None
         self._counter = itertools.count()
         if prefix:
             _seen_dirs.add(os.path.dirname(prefix))
 
-    def dumps(self, obj) -> tuple[bytes, list[str]]:
-        """Return the bytes and the shared-memory files created for them."""
+    def dumps(self, obj) -> tuple[bytes, list]:
+        """Return the bytes and the shared-memory files created for them (for :func:`remove_files`)."""
         if plain(obj):
             return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []  # nothing for cloudpickle to do: the C pickler
         packed = self._packed(obj)
@@ -344,10 +356,10 @@ class Encoder:
     def _dump(self, obj, spill: bool, function: bool = False) -> tuple[bytes, _Pickler]:
         buf = io.BytesIO()
         if function:
-            pickler = _FunctionPickler(buf, self.prefix, self._counter, spill=spill)
+            pickler = _FunctionPickler(buf, self.prefix, self._counter, spill=spill, hold=self.hold)
         else:
             pickler = _Pickler(buf, self.prefix, self._counter, to_cpu=self.to_cpu, private=self.private, spill=spill,
-                               lent=self.lent)
+                               lent=self.lent, hold=self.hold)
         try:
             pickler.dump(obj)
         except BaseException:
@@ -399,8 +411,8 @@ class PackedFunction:
 
     digest: bytes
     body: bytes
-    bindings: tuple  # per large tensor: (path, nbytes, dtype, shape, requires_grad) of this call's file
-    files: tuple[str, ...]
+    bindings: tuple  # per large tensor: (file, nbytes, dtype, shape, requires_grad) of this call's file
+    files: tuple  # this call's files, as shm_files.create names them
     # Everything the function refers to is immutable or importable (see
     # function_memo): a copy of the one loaded before is as good as a new load.
     unchanging: bool = False
