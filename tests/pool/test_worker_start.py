@@ -165,6 +165,38 @@ def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path)
     assert _run(tmp_path, _SEEDS, 1)["draws"] != out["draws"]
 
 
+def test_the_callers_random_streams_do_not_move_when_executors_are_made_started_used_or_expire():
+    import random
+
+    import torch
+
+    from nn_handler import ParallelExecutor, parallelize_on_gpus
+
+    @parallelize_on_gpus(device_ids=["cpu"], pass_device=False, keep_alive=0)  # a fresh pool for every call
+    def decorated():
+        return float(torch.rand(1))
+
+    def draws(use_executors: bool) -> list[float]:
+        torch.manual_seed(0)
+        random.seed(0)
+        out = [float(torch.rand(1)), random.random()]
+        if use_executors:
+            ParallelExecutor(device_ids=["cpu"]).shutdown()  # made, never started
+        out += [float(torch.rand(1)), random.random()]
+        if use_executors:
+            with ParallelExecutor(device_ids=["cpu", "cpu"], pass_device=False) as ex:
+                ex.run(torch.rand, 1)
+                ex.submit(torch.rand, 1).result()
+        out += [float(torch.rand(1)), random.random()]
+        if use_executors:
+            decorated()
+            decorated()  # its pool expired after the first call: a new one
+        out += [float(torch.rand(1)), random.random()]
+        return out
+
+    assert draws(True) == draws(False)  # as with ProcessPoolExecutor, which draws nothing from the caller
+
+
 # ----------------------------------------------------------------------------- what a fork of the caller carried
 # Each case: what the caller did before its first pool (`before`), then what a later pool's worker does (`check`,
 # returning True when it worked). A worker forked from the caller inherited each of these; a fresh one none.

@@ -19,7 +19,8 @@ what the workers would run). A worker then gets what a spawned process gets
 :func:`multiprocessing.spawn.prepare`), and :func:`inheritance`: the caller's
 environment as it is when the worker starts, the main module to import once
 that is in place, and its own random seeds (:func:`base_seed` of its pool,
-its worker id); :func:`.worker.inherit` applies them in the worker.
+which leaves the caller's generator as it was, and its worker id);
+:func:`.worker.inherit` applies them in the worker.
 
 :func:`context` decides how workers start; ``spawn`` is used where there is
 no forkserver (not POSIX), in a child made with ``os.fork()`` (its parent's
@@ -34,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -66,11 +68,29 @@ def context():
 
 
 def base_seed() -> int:
-    """A pool's base seed, drawn from the caller's torch generator as :class:`~torch.utils.data.DataLoader` draws
-    its workers' (after ``torch.manual_seed``, the same run to run); see :func:`.worker.inherit`."""
+    """A pool's base seed: a hash of the caller's torch generator state, read without drawing from it, and of how
+    many pools this process seeded before; see :func:`.worker.inherit`.
+
+    The caller's next numbers are the ones it would draw without any pool (``ProcessPoolExecutor`` draws
+    nothing either); after ``torch.manual_seed`` the workers draw the same numbers run to run; two pools of one
+    process never share a base seed.
+
+    Example:
+        >>> import torch
+        >>> _ = torch.manual_seed(0); a = base_seed(); first = torch.rand(1)
+        >>> _ = torch.manual_seed(0); b = base_seed(); a != b, torch.equal(first, torch.rand(1))
+        (True, True)
+    """
+    import hashlib
+
     import torch
 
-    return int(torch.empty((), dtype=torch.int64).random_().item())
+    state = bytes(torch.get_rng_state().tolist())  # (the seed and the position in the stream)
+    digest = hashlib.blake2b(state + next(_pools_seeded).to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+_pools_seeded = itertools.count()  # pools of this process given a base seed: one more term of the hash
 
 
 def inheritance(seed: int, worker_id: int, *, main: bool = True) -> tuple:

@@ -305,10 +305,11 @@ def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
     started (the server it was forked from has the one of its own start).
     ``torch``, ``random`` and ``numpy`` (when torch imported it) are seeded as
     :class:`~torch.utils.data.DataLoader` seeds its workers: ``base_seed``
-    (drawn from the caller's torch generator when the pool was made) plus
-    ``worker_id`` (unique in its pool, replacements included), and numpy from
-    the two mixed: independent across workers, pools and replacements, the same
-    run to run after ``torch.manual_seed`` in the caller.
+    (:func:`.server.base_seed`: the caller's torch generator state when the pool
+    was made, read without drawing from it, and the pool's number in its
+    process) plus ``worker_id`` (unique in its pool, replacements included),
+    and numpy from the two mixed: independent across workers, pools and
+    replacements, the same run to run after ``torch.manual_seed`` in the caller.
 
     Example:
         >>> import random, torch
