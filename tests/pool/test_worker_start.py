@@ -133,6 +133,66 @@ def test_workers_import_with_the_callers_path_and_get_its_present_environment(tm
     assert second["cwd"] == str(later)
 
 
+# ----------------------------------------------------------------------------- start-up has its own bound
+_SLOW_START = """
+    import os, sys, time
+    if __name__ == "__mp_main__":  # this script's top level, as each worker imports it
+        time.sleep(float(os.environ.get("NNH_TEST_IMPORT_TAKES", "0")))  # `import transformers` and friends
+        if os.environ.get("NNH_TEST_IMPORT_DIES"):
+            os._exit(3)
+
+    def f(x):
+        return x + 1
+
+    def load(seconds):
+        time.sleep(seconds)
+
+    def die():
+        os._exit(3)
+
+    if __name__ == "__main__":
+        import json
+        from nn_handler import ParallelExecutor, ParallelExecutionError
+        from nn_handler.utils._workers import pool
+
+        def error_of(**kwargs):
+            try:
+                with ParallelExecutor(max_workers=1, **kwargs) as ex:
+                    ex.submit(f, 1).result()
+            except ParallelExecutionError as exc:
+                return [type(exc).__name__, str(exc)]
+
+        out = {}
+        os.environ["NNH_TEST_IMPORT_TAKES"] = "3"
+        with ParallelExecutor(max_workers=1, timeout=2) as ex:  # the task timeout is per task
+            out["slow_top_level"] = ex.submit(f, 1).result()
+        pool.START_TIMEOUT = 1  # the start-up's own bound
+        out["slow_start"] = error_of()
+        os.environ["NNH_TEST_IMPORT_TAKES"] = "0"
+        out["slow_initializer"] = error_of(initializer=load, initargs=(30,))
+        pool.START_TIMEOUT = 60
+        out["initializer_dies"] = error_of(initializer=die)
+        os.environ["NNH_TEST_IMPORT_DIES"] = "1"
+        out["start_dies"] = error_of()
+        print("RESULT", json.dumps(out))
+"""
+
+
+def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
+    out = _run(tmp_path, _SLOW_START, timeout=140)
+    assert out["slow_top_level"] == 2  # timeout=2 with a 3 s top level: the call succeeds
+    kind, message = out["slow_start"]
+    assert kind == "ExecutorTimeoutError" and "worker start-up" in message and "initializer" not in message, message
+    assert "did not start within 1s" in message and "START_TIMEOUT" in message and "killed" in message, message
+    kind, message = out["slow_initializer"]
+    assert kind == "ExecutorTimeoutError" and "initializer did not finish within 1s" in message, message
+    kind, message = out["initializer_dies"]
+    assert kind == "WorkerDiedError" and "died during start-up, in its initializer (exit code 3)" in message, message
+    kind, message = out["start_dies"]
+    assert kind == "WorkerDiedError" and "died during start-up (exit code 3)" in message, message
+    assert "initializer" not in message, message
+
+
 # ----------------------------------------------------------------------------- random streams
 _SEEDS = """
     import json, random, sys

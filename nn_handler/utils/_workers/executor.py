@@ -229,7 +229,9 @@ class ParallelExecutor(concurrent.futures.Executor):
         device_ids: Devices to use, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
         timeout: Seconds per task from when its function starts (loading it,
             e.g. its module's first import, gets as long again); a task past
-            it raises ``TimeoutError`` and its stuck worker is replaced.
+            it raises ``TimeoutError`` and its stuck worker is replaced. A
+            worker's start-up (initializer included) has a bound of its own
+            (``START_TIMEOUT`` of :mod:`~nn_handler.utils._workers.pool`, 300 s).
         initializer: Run once in each worker at start (``initializer(*initargs,
             device=...)`` when ``pass_device``), e.g. to load a model per GPU.
         initargs: Arguments for ``initializer``.
@@ -309,7 +311,7 @@ class ParallelExecutor(concurrent.futures.Executor):
             self.devices = self._pool.devices
         else:
             self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
-                                    threads=_threads_per_worker(len(self.devices)), start_timeout=self.timeout,
+                                    threads=_threads_per_worker(len(self.devices)),
                                     max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
         # Workers end with the executor even if it is dropped without shutdown() (once the tasks submitted
         # are done), and at interpreter exit without waiting for a daemon thread's call. Nothing of ours

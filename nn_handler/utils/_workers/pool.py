@@ -67,6 +67,12 @@ __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
 _pool_ids = itertools.count()
 
+# Seconds a new worker may take to be ready to run tasks: its process, the import of the caller's main script
+# (`import transformers` and friends), the initializer (loading a model). A bound of its own, generous, whatever
+# the task timeout (which is per task): a start that never ends (a script that joins a process group at import
+# time, without a main guard) is killed and said so, one that is only slow is left to finish. None: no bound.
+START_TIMEOUT: float | None = 300.0
+
 
 _open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
 
@@ -101,7 +107,7 @@ class WorkerPool(Scheduler):
         init_blob: Pickled ``(initializer, initargs)``, run once per worker start.
         threads: ``torch.set_num_threads`` value in each worker.
         start_timeout: Seconds a worker may take to start (initializer
-            included) before it is killed; ``None`` waits as long as it lives.
+            included) before it is killed; ``None``: :data:`START_TIMEOUT`.
         max_tasks: Replace a worker after this many tasks (``None``: never).
         memory_limit: Replace a worker whose memory after a task exceeds this many bytes.
     """
@@ -227,18 +233,21 @@ class WorkerPool(Scheduler):
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
+        initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
         failures, exceptions, timed_out = [], {}, False
-        deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
+        bound = self._start_timeout if self._start_timeout is not None else START_TIMEOUT
+        deadline = None if bound is None else time.monotonic() + bound
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready_handles = wait(list(pending) + list(sentinels), timeout=left)
             if not ready_handles:
-                what = "the initializer did not finish" if self._init_blob is not None else "did not start"
                 for slot in list(pending.values()):
-                    failures.append(RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid,
-                                                message=f"{what} within the {self._start_timeout:g}s timeout; "
-                                                        f"worker killed"))
+                    what = "its initializer did not finish" if slot.index in initializing else "did not start"
+                    failures.append(RankFailure(
+                        rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type="TimeoutError",
+                        message=f"{what} within {bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has "
+                                f"a bound of its own, apart from the task timeout); worker killed"))
                     self._kill(slot)
                 pending.clear()
                 timed_out = True
@@ -247,9 +256,15 @@ class WorkerPool(Scheduler):
                 if slot is None or slot.conn not in pending:
                     continue
                 reply = self._receive(slot)
+                if reply is not None and reply[0] == "init":  # started: the initializer runs now
+                    initializing.add(slot.index)
+                    if not slot.inbox.has_message():
+                        continue  # wait on, for its pipe or its end
+                    reply = self._receive(slot)
                 del pending[slot.conn]
                 if reply is None:
-                    failures.append(self._death(slot, during="start-up"))
+                    failures.append(self._death(
+                        slot, during="start-up, in its initializer" if slot.index in initializing else "start-up"))
                 elif reply[0] == "err":
                     self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
@@ -259,7 +274,9 @@ class WorkerPool(Scheduler):
                 cls = ExecutorTimeoutError
             else:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
-            raise cls(failures, exceptions, function="worker start-up (initializer)")
+            failed = {f.rank for f in failures}
+            function = "initializer" if failed & initializing else "worker start-up"
+            raise cls(failures, exceptions, function=function)
 
     def shutdown(self, *, wait: bool = True, ask: bool = True, cancel: bool = False) -> None:
         """Stop every worker once the queued and running tasks are done; idempotent.

@@ -11,7 +11,7 @@ tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 (see :mod:`.lending`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
-worker ends: the function raised ``SystemExit``) or ``ready``; a ``"memory"``
+worker ends: the function raised ``SystemExit``), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
@@ -208,6 +208,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init_blob is not None:
+            conn.send_bytes(pickle.dumps(("init", None, os.getpid())))  # start-up is over (see the pool's bound)
             initializer, initargs = _transport.loads(init_blob)
             call(initializer, initargs, {})
         # What is alive now (torch's ~170k objects, the initializer's model)
