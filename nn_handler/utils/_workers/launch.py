@@ -167,6 +167,7 @@ def _run_group(fn: Callable[..., Any], args: tuple, kwargs: dict, *, devices: li
     try:
         for executor in executors:
             executor._pool.import_main = False  # fn travels by value: the ranks need not re-run the caller's script
+            executor._pool.start_timeout = timeout  # the call's deadline counts the ranks' start too
             executor.start()
         replies: queue.Queue = queue.Queue()
         for rank, executor in enumerate(executors):

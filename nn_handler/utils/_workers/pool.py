@@ -108,6 +108,7 @@ class WorkerPool(Scheduler):
         threads: ``torch.set_num_threads`` value in each worker.
         start_timeout: Seconds a worker may take to start (initializer
             included) before it is killed; ``None``: :data:`START_TIMEOUT`.
+            An attribute too, for a caller whose deadline covers start-up.
         max_tasks: Replace a worker after this many tasks (``None``: never).
         memory_limit: Replace a worker whose memory after a task exceeds this many bytes.
     """
@@ -118,7 +119,7 @@ class WorkerPool(Scheduler):
         self._pass_device = pass_device
         self._init_blob = init_blob
         self._threads = threads
-        self._start_timeout = start_timeout
+        self.start_timeout = start_timeout
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self.import_main = True  # a new worker imports the caller's main script (see server.inheritance)
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
@@ -235,7 +236,10 @@ class WorkerPool(Scheduler):
         pending = {s.conn: s for s in fresh}
         initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
         failures, exceptions, timed_out = [], {}, False
-        bound = self._start_timeout if self._start_timeout is not None else START_TIMEOUT
+        bound = self.start_timeout if self.start_timeout is not None else START_TIMEOUT
+        why = (f"the call's {bound:g}s timeout" if self.start_timeout is not None else
+               f"{bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has a bound of its own, apart from "
+               f"the task timeout)")
         deadline = None if bound is None else time.monotonic() + bound
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
@@ -246,8 +250,7 @@ class WorkerPool(Scheduler):
                     what = "its initializer did not finish" if slot.index in initializing else "did not start"
                     failures.append(RankFailure(
                         rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type="TimeoutError",
-                        message=f"{what} within {bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has "
-                                f"a bound of its own, apart from the task timeout); worker killed"))
+                        message=f"{what} within {why}; worker killed"))
                     self._kill(slot)
                 pending.clear()
                 timed_out = True
