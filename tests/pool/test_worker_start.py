@@ -193,6 +193,45 @@ def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
     assert "initializer" not in message, message
 
 
+# ----------------------------------------------------------------------------- threads
+_THREADS = """
+    import os
+    def threads(*_):
+        import torch
+        return torch.get_num_threads()
+
+    if __name__ == "__main__":
+        import concurrent.futures, json, multiprocessing
+        from nn_handler import ParallelExecutor
+
+        def standard():
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as p:
+                return p.submit(threads).result()
+
+        def ours(n=1):
+            with ParallelExecutor(max_workers=n) as ex:
+                return ex.run(threads)
+
+        out = {"cores": len(os.sched_getaffinity(0))}
+        os.environ["OMP_NUM_THREADS"] = "1"  # before the first executor (its server starts with it)
+        out["one"] = [standard(), ours()]
+        os.environ["OMP_NUM_THREADS"] = "3"  # set later: the workers started since see it too
+        out["three"] = [standard(), ours()]
+        del os.environ["OMP_NUM_THREADS"]
+        out["share"] = ours(2)
+        print("RESULT", json.dumps(out))
+"""
+
+
+def test_workers_honour_omp_num_threads_as_processpoolexecutors_do(tmp_path):
+    out = _run(tmp_path, _THREADS, env={"OMP_NUM_THREADS": ""})
+    standard, ours = out["one"]
+    assert standard == 1 and ours == [standard]
+    standard, ours = out["three"]
+    assert standard == min(3, os.cpu_count()) and ours == [standard]  # (torch takes no more than the cores)
+    assert out["share"] == [max(1, out["cores"] // 2)] * 2  # unset: an equal share of the cores each
+
+
 # ----------------------------------------------------------------------------- random streams
 _SEEDS = """
     import json, random, sys

@@ -54,6 +54,7 @@ from .._devices import cuda_count
 from .._stall import resolve_stall_timeout
 from . import pickler
 from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _threads_per_worker
+from .worker import threads_wanted
 
 __all__ = ["launch", "run_ranks"]
 
@@ -81,7 +82,7 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
 
     os.environ.update(setup.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(setup.nprocs),
                       LOCAL_WORLD_SIZE=str(setup.nprocs))
-    torch.set_num_threads(setup.threads)
+    torch.set_num_threads(threads_wanted(setup.threads))
     fn, args, kwargs = pickle.loads(payload)
     if setup.join:
         from ..ddp import initialize_ddp

@@ -151,6 +151,26 @@ def _unpicklable_result(fn, exc: Exception) -> Exception:
     return error if isinstance(error, Exception) else TypeError(message)
 
 
+def threads_wanted(share: int, environ=os.environ) -> int:
+    """The torch threads of a worker: ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``, which wins) where the caller's
+    environment sets it, as torch takes them in a process of its own (no more than the machine's cores), else
+    ``share`` (its share of the cores).
+
+    Example:
+        >>> threads_wanted(4, {}), threads_wanted(4, {"OMP_NUM_THREADS": "1"}), threads_wanted(4, {"OMP_NUM_THREADS": ""})
+        (4, 1, 4)
+    """
+    wanted = share
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        try:
+            value = int(environ.get(name, "").split(",")[0])  # (OpenMP's nested form "4,2": the outer level)
+        except ValueError:
+            continue  # unset, or not a number: torch ignores it too
+        if value > 0:
+            wanted = min(value, os.cpu_count() or value)
+    return wanted
+
+
 def call_with_device(fn_and_position, args: tuple, kwargs: dict, device, pass_device: bool):
     """Call ``fn`` with ``device`` where its signature takes it (``position``: a positional slot, else by keyword)."""
     fn, position = fn_and_position
@@ -196,7 +216,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watchdog").start()
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads_wanted(threads))
     device = torch.device(device_str)
     encoder = _transport.Encoder(shm_prefix, to_cpu=True, lend=True)
 
