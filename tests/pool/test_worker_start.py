@@ -402,6 +402,53 @@ def test_nothing_the_caller_did_before_reaches_a_worker(tmp_path, case):
 
 
 
+# ----------------------------------------------------------------------------- the server dies
+_SERVER_KILLED = """
+    import json, os, signal, sys, threading, time
+    from nn_handler import ParallelExecutor, WorkerDiedError
+    from helpers import pids_alive
+
+    def slow(markers, device):
+        open(os.path.join(markers, str(os.getpid())), "w").close()
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        markers = sys.argv[1]
+        out = {}
+        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+            workers = ex.run(lambda device: (os.getpid(), os.getppid()))
+            old, server = [pid for pid, _ in workers], workers[0][1]
+
+            def kill_the_server():  # once both workers run the call
+                while len(os.listdir(markers)) < 2:
+                    time.sleep(0.01)
+                os.kill(server, signal.SIGKILL)
+
+            threading.Thread(target=kill_the_server, daemon=True).start()
+            try:
+                ex.run(slow, markers)
+            except WorkerDiedError as exc:
+                out["error"] = str(exc)
+            out["server"] = server
+            out["after"] = ex.run(lambda device: (os.getpid(), os.getppid()))
+            deadline = time.monotonic() + 10
+            while pids_alive(old) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["left"] = pids_alive(old)
+        print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_killed_server_is_named_in_the_error_and_its_workers_do_not_outlive_it(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    out = _run(tmp_path, _SERVER_KILLED, markers, env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert f"forkserver (pid {out['server']})" in out["error"] and "killed by signal SIGKILL" in out["error"], out
+    assert "exit code 255" not in out["error"], out["error"]
+    assert all(server != out["server"] for _, server in out["after"])  # new workers, from a new server
+    assert out["left"] == [], "workers cut off from the caller kept running"
+
+
 # ----------------------------------------------------------------------------- isolation, lifetime, nesting
 _HOLDS = """
     import json, os, socket, sys

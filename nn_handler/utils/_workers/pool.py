@@ -490,18 +490,20 @@ class WorkerPool(Scheduler):
         slot.process.join(1.0)
         exitcode = slot.process.exitcode
         hint = ""
-        if self._closed:  # killed by shutdown(wait=False) from another thread, e.g. at interpreter exit
-            hint = "; the executor was shut down while the call ran"
-        elif during == "start-up":
-            hint = ("; see its output above. If your script creates the executor at import time, start it under "
-                    "`if __name__ == \"__main__\":` (workers import the main module)")
-        record = RankFailure(
-            rank=slot.index,
-            device=slot.device,
-            pid=slot.process.pid,
-            message=f"worker died during {during} ({describe_exit(exitcode)}){hint}",
-            exitcode=exitcode,
-        )
+        cut_off = server.cut_off(slot.process)
+        if cut_off is not None:  # the worker may be running yet: not its exit code (multiprocessing says 255)
+            exitcode = None
+            message = (f"worker cut off from this process during {during}: {cut_off}, and the worker ends with "
+                       f"it; the next call starts new workers from a new server")
+        else:
+            if self._closed:  # killed by shutdown(wait=False) from another thread, e.g. at interpreter exit
+                hint = "; the executor was shut down while the call ran"
+            elif during == "start-up":
+                hint = ("; see its output above. If your script creates the executor at import time, start it "
+                        "under `if __name__ == \"__main__\":` (workers import the main module)")
+            message = f"worker died during {during} ({describe_exit(exitcode)}){hint}"
+        record = RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, message=message,
+                             exitcode=exitcode)
         failing, self._failing = self._failing, True  # its call fails now; its files are dropped later
         try:
             self._kill(slot)

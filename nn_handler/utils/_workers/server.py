@@ -119,6 +119,37 @@ def process(ctx, **kwargs) -> mp.process.BaseProcess:
     return (cls or ctx.Process)(**kwargs)
 
 
+def cut_off(process) -> str | None:
+    """Why ``process``, a worker whose end was just seen, is lost, when it is not its own end: its server died.
+
+    A forkserver tells of each worker's end through a pipe; when the server
+    dies, every such pipe closes and multiprocessing reports exit code 255
+    for workers that may well be running. They end by themselves (see
+    :func:`.worker._watch_parent`); this says what happened, e.g.
+    ``"its forkserver (pid 42) was killed by signal SIGKILL"``, or
+    returns ``None`` while the server runs.
+    """
+    pid = getattr(process, "server_pid", None)
+    if pid is None:
+        return None
+    from .worker import _parent_alive
+
+    try:  # WNOWAIT: looked at, left for _ensure_server to reap
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            if _parent_alive(pid):
+                return None
+            # Exiting: its pipes closed before it became a zombie, which it is about to be.
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return f"its forkserver (pid {pid}) has ended"  # reaped already: a new one started since
+    from ...errors import describe_exit
+
+    killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+    how = describe_exit(-info.si_status if killed else info.si_status)
+    return f"its forkserver (pid {pid}) was {how}" if killed else f"its forkserver (pid {pid}) ended ({how})"
+
+
 # What the preparation data of a spawned or forkserver child says of the main module.
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 
@@ -155,10 +186,13 @@ def _without_main(popen: type) -> type:
 
 if sys.platform != "win32":  # (on Windows a spawned child gets the main module at its bootstrap, as usual)
     class _ForkServerWorker(mp.context.ForkServerProcess):
+        server_pid: int | None = None  # the server that forked it (see cut_off)
+
         @staticmethod
         def _Popen(process_obj):
-            from multiprocessing import popen_forkserver
+            from multiprocessing import forkserver, popen_forkserver
 
+            process_obj.server_pid = forkserver._forkserver._forkserver_pid
             return _without_main(popen_forkserver.Popen)(process_obj)
 
     class _SpawnWorker(mp.context.SpawnProcess):

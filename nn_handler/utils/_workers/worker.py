@@ -74,10 +74,16 @@ def _watch_parent(parent_pid: int) -> None:
     # However this worker ends (EOF from a dead caller, a broken pipe while it
     # replied), the files its caller left in shared memory go with it: a caller
     # killed by a signal cleans nothing, and nobody else knows these names.
+    import multiprocessing
     from multiprocessing import util
 
     util.Finalize(None, _clean_if_orphaned, args=(parent_pid,), exitpriority=0)
+    server = getattr(multiprocessing.current_process(), "server_pid", None)  # the forkserver that forked us
     while _parent_alive(parent_pid):
+        if server is not None and os.getppid() != server:
+            # Our server died: the caller learns of our end from it, so it counts us gone (see server.cut_off)
+            # and nobody would see us end later. We end now, leaving its files to it.
+            os._exit(1)
         time.sleep(_WATCHDOG_PERIOD)
     _transport.remove_process_files(parent_pid, final=True)
     os._exit(1)  # nobody is left to read our results
