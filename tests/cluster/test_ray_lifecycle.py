@@ -186,3 +186,36 @@ def test_an_actor_restarted_unseen_is_sent_the_function_again(cluster):
         # The pool sends only the function's digest, which the new process lacks: it asks for the body.
         second = within(60, ex.run, _pid)[0]
         assert second != first and within(60, ex.run, _pid) == [second]
+
+
+def _draw(device):
+    import random
+
+    import torch
+
+    return float(torch.rand(1)), random.random()
+
+
+@pytest.mark.timeout(300)
+def test_actors_are_seeded_as_local_workers_and_the_callers_stream_stays(cluster, monkeypatch):
+    import itertools
+
+    import torch
+
+    from nn_handler.utils._workers import server
+
+    def draws(seed: int):
+        monkeypatch.setattr(server, "_pools_seeded", itertools.count(), raising=False)  # as a fresh process
+        torch.manual_seed(seed)
+        with ParallelExecutor(device_ids=["cpu", "cpu"], backend="ray") as ex:
+            out = within(120, ex.run, _draw)
+        return out, float(torch.rand(1))
+
+    first, after = draws(0)
+    assert first[0] != first[1]  # each actor its own stream
+    again, _ = draws(0)
+    assert again == first  # after the same torch.manual_seed, the same numbers
+    other, _ = draws(1)
+    assert other[0] != first[0] and other[1] != first[1]
+    torch.manual_seed(0)
+    assert after == float(torch.rand(1))  # the caller's own stream did not move

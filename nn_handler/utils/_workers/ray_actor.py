@@ -120,11 +120,17 @@ def place(devices: list[str] | None) -> list[str]:
 class DeviceActor:
     """One worker of a Ray pool, in its own process somewhere in the cluster: one device, its calls."""
 
-    def __init__(self, index: int, kind: str, pass_device: bool, init_blob: bytes | None):
+    def __init__(self, index: int, kind: str, pass_device: bool, init_blob: bytes | None, seed: int | None = None):
         import ray
         import torch
 
         _worker._index = index
+        if seed is not None:
+            # As a local worker's (see worker.inherit): from the pool's seed and the actor's place. An actor
+            # that Ray restarted draws anew, from fresh seeds: its first life's numbers are not repeated.
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                seed = int.from_bytes(os.urandom(8), "little")
+            _worker.seed_streams(seed, index)
         self.index, self.pass_device = index, pass_device
         if kind == "cuda" and not torch.cuda.is_available():
             # Ray gave this actor a GPU that torch cannot see (a cluster that declares GPUs it lacks).

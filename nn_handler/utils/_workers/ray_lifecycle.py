@@ -62,7 +62,7 @@ class ActorLifecycle:
                 # a call in flight when it died is never re-run (a user's function may not be safe twice).
                 options = dict(max_restarts=-1, max_task_retries=0, **_failures.resources(slot.device))
                 slot.actor = remote.options(**options).remote(slot.index, slot.device, self._pass_device,
-                                                              self._init_blob)
+                                                              self._init_blob, self._seed)
             self._started = True
         refs = [slot.actor.ready.remote() for slot in self._slots]
         done, waiting = self._ray.wait(refs, num_returns=len(refs), timeout=self._start_timeout)

@@ -41,6 +41,7 @@ from concurrent.futures import Future
 
 from ...errors import PayloadPicklingError, RankFailure
 from . import ray_failures as _failures
+from . import server
 from . import transport as _transport
 from . import worker as _worker
 from .calls import _Call, _Task
@@ -82,6 +83,7 @@ class RayPool(ActorLifecycle):
             self._leave()
             raise
         self._pass_device, self._init_blob = pass_device, init_blob
+        self._seed = server.base_seed()  # the actors' random streams, as a local pool's workers' (not the env)
         # A new actor process imports torch (seconds): a short task timeout still leaves it that long to start.
         self._start_timeout = None if start_timeout is None else max(start_timeout, _START_ALLOWANCE)
         self._asked_timeout = start_timeout

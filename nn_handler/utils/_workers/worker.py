@@ -346,14 +346,20 @@ def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
         True
         >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
     """
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    seed_streams(base_seed, worker_id)
+
+
+def seed_streams(base_seed: int, worker_id: int) -> None:
+    """Seed ``torch``, ``random`` and ``numpy`` (when imported) of this process from its pool's seed and its id,
+    as :func:`inherit` describes (a Ray actor gets the same)."""
     import random
 
     import torch
     from torch.utils.data._utils.worker import _generate_state
 
-    if os.environ != environ:
-        os.environ.clear()
-        os.environ.update(environ)
     seed = (base_seed + worker_id) % (1 << 64)
     random.seed(seed)
     torch.manual_seed(seed)
