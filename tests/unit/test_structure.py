@@ -68,7 +68,8 @@ WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "
                 "nn_handler.utils._workers.tensor_bytes",  # the transport's small tensors, as bytes
                 "nn_handler.utils._workers.pickler",  # cloudpickle, code keeping its file
                 "nn_handler.utils._workers.pipes",  # its end of the pipe: framed messages
-                "nn_handler.utils._workers.function_memo"}  # its copies of functions that cannot change
+                "nn_handler.utils._workers.function_memo",  # its copies of functions that cannot change
+                "nn_handler.utils._workers.server"}  # its Process class (a start that leaves __main__ alone)
 
 
 def _within(module: str, prefixes) -> bool:
