@@ -237,15 +237,15 @@ class WorkerPool(Scheduler):
         initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
         failures, exceptions, timed_out = [], {}, False
         bound = self.start_timeout if self.start_timeout is not None else START_TIMEOUT
-        why = (f"the call's {bound:g}s timeout" if self.start_timeout is not None else
-               f"{bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has a bound of its own, apart from "
-               f"the task timeout)")
         deadline = None if bound is None else time.monotonic() + bound
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready_handles = wait(list(pending) + list(sentinels), timeout=left)
             if not ready_handles:
+                why = (f"the call's {bound:g}s timeout" if self.start_timeout is not None else
+                       f"{bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has a bound of its own, "
+                       f"apart from the task timeout)")
                 for slot in list(pending.values()):
                     what = "its initializer did not finish" if slot.index in initializing else "did not start"
                     failures.append(RankFailure(

@@ -9,12 +9,14 @@ that name. What goes into the files, and how they are mapped, is
 :mod:`.transport`.
 
 The caller's files (arguments, map items, a function's large tensors) keep
-no name: each is unlinked the moment it is created and lives as long as a
-descriptor of it, which the caller holds until its call is over (``held``,
-see :func:`create`); a worker opens it through ``/proc/<caller>/fd/<n>``.
-However the job ends, a kill of the whole process group included, the
-kernel frees what nobody holds, and no name is left in ``/dev/shm``. (The
-name still shows in the processes' ``/proc/<pid>/maps``, as ``(deleted)``.)
+no name: each is unlinked the moment it is created, before anything is
+written to it, and lives as long as a descriptor of it, which the caller
+holds until its call is over (see :func:`create`); a worker opens it through
+``/proc/<caller>/fd/<n>``. However the job ends, a kill of the whole process
+group included, the kernel frees what nobody holds, and no name is left in
+``/dev/shm`` (but an empty one, should the kill land between the two system
+calls that create and unlink it). The name still shows in the processes'
+``/proc/<pid>/maps``, as ``(deleted)``, for whoever counts what they map.
 A worker's results are named until the caller maps them (the caller may
 read them after the worker died), and the worker removes what a dead
 caller left (see :mod:`.worker`).
