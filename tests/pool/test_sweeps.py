@@ -63,8 +63,12 @@ def test_max_workers_agreeing_with_device_ids_passes_the_device_as_before():
     ex = ParallelExecutor(max_workers=2, device_ids=["cpu", "cpu"])  # (nothing started)
     assert ex.devices == ["cpu", "cpu"] and ex.pass_device
     ex.shutdown()
-    with pytest.raises(ValueError, match="max_workers"):
-        ParallelExecutor(max_workers=0)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_max_workers_below_one_says_what_the_standard_says(bad):
+    with pytest.raises(ValueError, match="max_workers must be greater than 0"):  # ProcessPoolExecutor's words
+        ParallelExecutor(max_workers=bad)
 
 
 # ----------------------------------------------------------------------------- return_exceptions

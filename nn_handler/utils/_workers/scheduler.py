@@ -18,6 +18,7 @@ import os
 import pickle
 import select
 import time
+import traceback
 from concurrent.futures import Future
 
 from ...errors import RankFailure
@@ -325,9 +326,7 @@ class Scheduler(Bookkeeping):
             try:
                 outcomes.append((task, _transport.loads(body), None))
             except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
-                record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type=type(exc).__qualname__,
-                                     message=f"the result could not be unpickled in the caller: {describe(exc)}")
-                outcomes.append((task, None, (record, slot, incarnation)))
+                outcomes.append((task, None, (*_unloadable(task.call.name, slot, pid, exc), slot, incarnation)))
         with self._lock:
             self._loading = [batch for batch in self._loading if batch is not replies]
             for *_, slot, incarnation, _, files in replies:
@@ -336,10 +335,10 @@ class Scheduler(Bookkeeping):
                 if failure is None:
                     self._task_done(task, value)
                     continue
-                record, slot, incarnation = failure
+                record, error, slot, incarnation = failure
                 if slot.incarnation == incarnation and slot.alive and slot.task is None:
                     self._drop_reply_files(slot)  # else its kill or the shutdown removes them
-                self._task_failed(task, record)
+                self._task_failed(task, record, error)
             if self._closing and not self._busy():
                 self._idle.notify_all()  # shutdown() waits for it
 
@@ -370,3 +369,13 @@ class Scheduler(Bookkeeping):
                 call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
                                                  message=f"{what} the {call.timeout:g}s timeout; worker replaced"))
         self._finish(call)
+
+
+def _unloadable(name: str, slot, pid: int, exc: BaseException) -> tuple[RankFailure, pickle.UnpicklingError]:
+    """A result the caller cannot unpickle (a class only the worker can import, a ``__reduce__`` that fails
+    here): a ``pickle.UnpicklingError``, as an argument the worker cannot load is an error of its own type
+    there; the traceback of the failed load stands as its cause."""
+    error = pickle.UnpicklingError(f"the result of {name} could not be unpickled in the caller: {describe(exc)}")
+    record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type="UnpicklingError",
+                         message=str(error), traceback=traceback.format_exc())
+    return record, error

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..._checks import check_int
+from ..._checks import check_int, invalid
 from ...errors import ConfigurationError, ParallelExecutionError, RankFailure
 
 __all__ = ["cpu_pool", "Settled", "Raised", "outcomes"]
@@ -34,6 +34,8 @@ def cpu_pool(max_workers: int | None, num_gpus: int | None, device_ids: Sequence
     ``pass_device`` not given (``None``): ``False`` with ``max_workers`` alone (called as a process pool
     calls), ``True`` otherwise (as before).
     """
+    if type(max_workers) is int and max_workers < 1:
+        raise invalid("max_workers", "greater than 0", max_workers)  # ProcessPoolExecutor's words
     check_int("max_workers", max_workers, minimum=1, allow_none=True)
     if max_workers is None:
         return device_ids, True if pass_device is None else bool(pass_device)
