@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -31,6 +32,16 @@ def score_or_die(lr):
 
 def where(x, device):
     return x, str(device)
+
+
+def lock_for(x):
+    return threading.Lock() if x == "lock" else x  # a result no worker can pickle
+
+
+def ends_on(x, how):
+    if x == "end":
+        raise how("the task ends its worker")
+    return x, os.getpid()
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +94,37 @@ def test_return_exceptions_yields_each_items_result_or_its_error_in_order(pool, 
         assert isinstance(err.__cause__, RemoteTraceback) and "score" in err.__cause__.tb
     with pytest.raises(ValueError):  # without it: the first failure ends the map, as before
         list(pool.map(score, [1, -2, 3]))
+
+
+@pytest.mark.parametrize("chunksize", [1, 3])
+def test_return_exceptions_a_result_that_cannot_be_pickled_fails_only_its_item(pool, chunksize):
+    # As ProcessPoolExecutor gives it per item: the pickling error for that one, the others' results.
+    out = list(pool.map(lock_for, ["lock", 3, 4, "lock", 5], chunksize=chunksize, return_exceptions=True))
+    assert out[1:3] == [3, 4] and out[4] == 5, out
+    for err in (out[0], out[3]):
+        assert isinstance(err, TypeError) and isinstance(err, ParallelExecutionError), err
+        assert "the result of lock_for could not be pickled" in str(err), str(err)  # the function's own name
+
+
+def test_return_exceptions_an_item_that_ends_its_worker_fails_only_that_item():
+    # SystemExit or KeyboardInterrupt raised by one item of a chunk: that item's error (a plain
+    # ParallelExecutionError, as without chunks), the rest of the chunk its results; the worker is replaced.
+    with ParallelExecutor(max_workers=1, timeout=60) as ex:
+        for how in (SystemExit, KeyboardInterrupt):
+            out = list(ex.map(ends_on, [1, "end", 3], [how] * 3, chunksize=3, return_exceptions=True))
+            (first, pid), err, (third, same) = out
+            assert (first, third) == (1, 3) and pid == same, out
+            assert type(err) is ParallelExecutionError and err.failures[0].exc_type == how.__name__, err
+            assert isinstance(err.exceptions[0], how) and "ends_on failed on rank 0" in str(err)
+            assert ex.submit(os.getpid).result(timeout=60) != pid  # it ended its worker: a fresh one now
+            assert not pids_alive([pid])
+
+
+@pytest.mark.parametrize("option", ["return_exceptions", "progress"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_map_switches_must_be_true_or_false(pool, option, value):
+    with pytest.raises(ConfigurationError, match=f"{option} must be True or False, got {value!r}"):
+        pool.map(score, [1, 2], **{option: value})
 
 
 def test_return_exceptions_over_several_iterables(pool):

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterator
 
 import cloudpickle
 
-from ..._checks import check_choice, check_int, check_number, invalid
+from ..._checks import check_bool, check_choice, check_int, check_number, invalid
 from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
 from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .map_chunks import _MapChunks, _check_map_timeout, _length, _progress_bar, _results
-from .sweep import Settled, cpu_pool
+from .sweep import Settled, cpu_pool, function_name
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
 
@@ -171,6 +171,7 @@ class _Star:
 
     def __init__(self, func, position: int | None, pass_device: bool):
         self.func, self.position, self.pass_device = func, position, pass_device
+        self.__name__ = function_name(func)  # what the worker's messages call it
 
     def __call__(self, items, device=None):
         if not self.pass_device:
@@ -451,6 +452,8 @@ class ParallelExecutor(concurrent.futures.Executor):
         check_int("chunksize", chunksize, minimum=1)
         check_int("buffersize", buffersize, minimum=1, allow_none=True)
         _check_map_timeout(timeout)
+        check_bool("progress", progress)
+        check_bool("return_exceptions", return_exceptions)
         self._pool.check_owner()
         if not iterables:
             return iter(())  # as zip() of nothing: no item, no call
@@ -476,7 +479,7 @@ class ParallelExecutor(concurrent.futures.Executor):
         # A lazy map submits as it is read, so its iterator keeps the executor; any other holds only its
         # futures: dropped with the executor, it leaves the workers free to end once its tasks are done.
         keep = self if buffersize is not None else None
-        return _results(keep, futures, chunks, end, _progress_bar(progress, total), bool(return_exceptions))
+        return _results(keep, futures, chunks, end, _progress_bar(progress, total), return_exceptions)
 
 
 def _executor_dropped(pool) -> None:

@@ -304,6 +304,9 @@ class Scheduler(Bookkeeping):
             # task, and without the lock: callers queue work meanwhile.
             self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))
             slot.unloaded += 1
+        elif status == "end":
+            self._end_after(slot, task, *body)
+            return
         else:
             record, blob = body
             exc = None
@@ -318,6 +321,20 @@ class Scheduler(Bookkeeping):
             self._task_failed(task, record, exc)
         if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
             self._kill(slot)  # recycled, as above
+
+    def _end_after(self, slot: _Slot, task: _Task, status: str, _, body) -> None:
+        """A task's reply, after which its worker ends (an item of a ``return_exceptions`` map raised
+        ``SystemExit``): settle the task as its reply says, then replace the worker."""
+        if status == "val":
+            self._task_done(task, body)
+        elif status == "ok":
+            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))
+            slot.unloaded += 1  # its files stay until the result is loaded (see _kill)
+        else:
+            record, blob = body
+            self._task_failed(task, record, _transport.load_error(blob))
+        slot.process.join(_STOP_GRACE)
+        self._kill(slot)
 
     def _load_replies(self, replies: list) -> None:
         """Unpickle results (outside the lock), then hand them to their futures."""

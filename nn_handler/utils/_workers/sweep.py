@@ -4,7 +4,9 @@
   a device, as ``ProcessPoolExecutor(max_workers=N)``; given with ``num_gpus`` or ``device_ids`` it must agree.
 - ``map(..., return_exceptions=True)`` (as ``asyncio.gather`` has it): the function runs inside
   :class:`Settled`, which catches an item's exception in the worker and returns it as a :class:`Raised`
-  record, so one failed item fails nothing else of its chunk; :func:`outcomes` turns the records back into
+  record, so one failed item fails nothing else of its chunk; a result that cannot be pickled is its own
+  item's error too (:func:`unpicklable_items`), and an item that raises ``SystemExit`` ends its worker once
+  the chunk is sent; :func:`outcomes` turns the records back into
   the error a plain ``map`` would have raised (the task's own exception type, also a
   :class:`~nn_handler.ParallelExecutionError`, the worker's traceback its ``__cause__``).
 
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import traceback
 from dataclasses import dataclass
 from typing import Sequence
@@ -24,7 +27,7 @@ from typing import Sequence
 from ..._checks import check_int, invalid
 from ...errors import ConfigurationError, ParallelExecutionError, RankFailure
 
-__all__ = ["cpu_pool", "Settled", "Raised", "outcomes"]
+__all__ = ["cpu_pool", "Settled", "Raised", "outcomes", "unpicklable_items", "function_name"]
 
 
 def cpu_pool(max_workers: int | None, num_gpus: int | None, device_ids: Sequence[int | str] | None,
@@ -61,13 +64,16 @@ class Raised:
 class Settled:
     """``func`` called as the worker calls a map's function, its exception returned as a :class:`Raised`.
 
-    Only ``Exception``: an interrupt or ``SystemExit`` still ends the task, as in ``asyncio.gather``.
+    Any exception, as ``ProcessPoolExecutor`` gives each task its own: ``SystemExit`` and
+    ``KeyboardInterrupt`` too, which end the worker (as without ``return_exceptions``) once the rest of its
+    chunk is done and sent, so that no other item is lost with it.
     """
 
     def __init__(self, func, position: int | None, pass_device: bool, star: bool):
         if not callable(func):
             raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
         self.func, self.position, self.pass_device, self.star = func, position, pass_device, star
+        self.__name__ = function_name(func)  # what the worker's messages call it
 
     def __call__(self, item, device=None):
         from . import worker  # (loaded in every worker already)
@@ -75,11 +81,52 @@ class Settled:
         args = tuple(item) if self.star else (item,)
         try:
             return worker.call_with_device((self.func, self.position), args, {}, device, self.pass_device)
+        except BaseException as exc:
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                worker.end_after_task()
+            return _raised(exc, device)
+
+
+def _raised(exc: BaseException, device) -> Raised:
+    """The record of ``exc``, the exception being handled, raised on this worker."""
+    from . import worker
+
+    index = worker.worker_index()
+    return Raised(*worker._failure(0 if index is None else index, _device_name(device), exc, traceback.format_exc()))
+
+
+def unpicklable_items(values: list, fn, probe, device) -> list:
+    """A settled chunk's results whose pickling failed, each that cannot be pickled replaced by its item's error.
+
+    ``probe(value)`` pickles a value without writing its large tensors (``Encoder.probe``), raising what
+    pickling it raises; ``fn`` names the function in the error.
+    """
+    from . import worker
+
+    settled = []
+    for value in values:
+        try:
+            probe(value)
         except Exception as exc:
-            index = worker.worker_index()
-            record, blob = worker._failure(0 if index is None else index, _device_name(device), exc,
-                                           traceback.format_exc())
-            return Raised(record, blob)
+            try:
+                raise worker._unpicklable_result(fn, exc) from exc
+            except Exception as error:
+                value = _raised(error, device)
+        settled.append(value)
+    return settled
+
+
+def function_name(func) -> str:
+    """``func.__name__`` (through ``functools.partial``), else the name of its type.
+
+    Example:
+        >>> import functools
+        >>> function_name(functools.partial(divmod, 7)), function_name(len), function_name(Settled(len, None, False, False))
+        ('divmod', 'len', 'len')
+    """
+    while isinstance(func, functools.partial) and not hasattr(func, "__name__"):
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
 
 
 def _device_name(device) -> str:

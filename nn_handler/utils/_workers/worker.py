@@ -11,7 +11,8 @@ tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 (see :mod:`.lending`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
-worker ends: the function raised ``SystemExit``) or ``ready``; a ``"memory"``
+worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's own reply, after which the
+worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
@@ -31,9 +32,11 @@ import traceback
 from ...errors import RankFailure
 from . import pipes
 from . import transport as _transport
+from .sweep import Settled, unpicklable_items
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
+_ending = False  # the task asked this worker to end once its reply is sent (see end_after_task)
 
 
 def worker_state() -> dict:
@@ -55,6 +58,16 @@ def worker_state() -> dict:
         >>> # ParallelExecutor(initializer=load).map(predict, batches)
     """
     return _state
+
+
+def end_after_task() -> None:
+    """End this worker once the reply of its current task is sent (the pool then replaces it).
+
+    For a ``SystemExit`` that :class:`~.sweep.Settled` caught for one item of a chunk: the item gets its
+    error, the rest of the chunk its results, and the worker ends as the function asked.
+    """
+    global _ending
+    _ending = True
 
 
 def worker_index() -> int | None:
@@ -279,7 +292,10 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 try:
                     body, _ = encoder.dumps(result)
                 except Exception as exc:
-                    raise _unpicklable_result(cached_fn[0], exc) from exc
+                    if kind != "map" or not isinstance(cached_fn[0], Settled):
+                        raise _unpicklable_result(cached_fn[0], exc) from exc
+                    # return_exceptions: a result that cannot be pickled is its own item's error, not its chunk's
+                    body, _ = encoder.dumps(unpicklable_items(result, cached_fn[0], encoder.probe, device_str))
                 reply = ("ok", call_id, body)
         except BaseException as exc:
             failure = _failure(index, device_str, exc, traceback.format_exc())
@@ -289,10 +305,14 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 pipes.write_message(fd, pickle.dumps(("exit", call_id, failure)))
                 return
             reply = ("err", call_id, failure)
+        if _ending:  # an item of a settled map raised SystemExit: its chunk's reply, then this worker ends
+            reply = ("end", call_id, reply)
         try:
             pipes.write_message(fd, pickle.dumps(reply))
         except OSError:
             return  # the pool closed our pipe: nobody is left to read it
+        if _ending:
+            return
         # Let go of the task now, not when the next one comes: a large
         # result is freed while the caller maps it (not in the next call's
         # time), and the memory probe (worker_memory_limit) does not count it.
