@@ -24,7 +24,7 @@ from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .map_chunks import _MapChunks, _check_map_timeout, _length, _progress_bar, _results
-from .sweep import Settled, cpu_pool, function_name
+from .sweep import Settled, check_device_given, cpu_pool, function_name, required_device
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
 
@@ -120,12 +120,15 @@ def _find_device_position(func, pass_device: bool) -> int | None:
     return None
 
 
-def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> PackedFunction:
+def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None, positional: int = 0,
+                 keywords=()) -> PackedFunction:
     """Pickle the function (with where its device argument goes), or say why it cannot be.
 
     Large tensors it holds (closure, defaults) go to shared-memory files of
     ``encoder`` as arguments do; the caller releases them after the call.
     Without an encoder they stay in the bytes (for checks: nothing to release).
+    ``positional``, ``keywords``: how it will be called, to tell a function that needs a ``device`` it will
+    not get (``pass_device=False``) so at once (see :func:`.sweep.check_device_given`).
     """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
@@ -135,8 +138,11 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     # attributes, which the memo checks are the same objects as when it was packed.
     packed = _packed.get(func, pass_device)
     if packed is None:
+        needs = None if pass_device else required_device(func, cached=True)
+        check_device_given(func, needs, positional, keywords)
         packed = _pack(func, _device_position(func, pass_device), _name(func), encoder)
-        if not packed.files and _packed.unchanging(func):  # (one holding a large tensor never is)
+        # (Not kept: one holding a large tensor, and one that needs its device given, checked at each call.)
+        if not packed.files and needs is None and _packed.unchanging(func):
             packed = dataclasses.replace(packed, unchanging=True)  # workers may copy the one they loaded before
             _packed.put(func, pass_device, packed)
     return packed
@@ -296,6 +302,8 @@ class ParallelExecutor(concurrent.futures.Executor):
             if not callable(initializer):
                 raise TypeError(f"initializer must be callable, got {type(initializer).__name__}")
             position = _device_position(initializer, self.pass_device)
+            if not self.pass_device:
+                check_device_given(initializer, required_device(initializer), len(initargs))
             try:
                 init_blob = pickler.dumps(((initializer, position), tuple(initargs)))
             except Exception:
@@ -377,7 +385,7 @@ class ParallelExecutor(concurrent.futures.Executor):
 
     def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False, name: str | None = None) -> list:
         self._pool.check_owner()
-        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions)
+        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions, len(args), kwargs)
         try:
             return self._pool.run(fn_blob, args, kwargs, self.timeout, name or _name(func), fail_fast)
         except PayloadPicklingError:
@@ -401,7 +409,7 @@ class ParallelExecutor(concurrent.futures.Executor):
             1024
         """
         self._pool.check_owner()
-        fn_blob = _pickle_call(fn, self.pass_device, self._pool.functions)
+        fn_blob = _pickle_call(fn, self.pass_device, self._pool.functions, len(args), kwargs)
         try:
             future = self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
                                        _name(fn))[0]
@@ -457,13 +465,15 @@ class ParallelExecutor(concurrent.futures.Executor):
         self._pool.check_owner()
         if not iterables:
             return iter(())  # as zip() of nothing: no item, no call
+        if not self.pass_device:  # (once per map: any callable's signature)
+            check_device_given(fn, required_device(fn), len(iterables))
         if return_exceptions:  # each item's exception is caught in the worker (see .sweep)
             star = len(iterables) > 1
             settled = Settled(fn, _device_position(fn, self.pass_device), self.pass_device, star)
             fn_blob = _pack(settled, None, _name(fn), self._pool.functions)
             items = zip(*iterables) if star else iter(iterables[0])
         elif len(iterables) == 1:
-            fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions), iter(iterables[0])
+            fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions, 1), iter(iterables[0])
         else:
             fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
         end = None if timeout is None else time.monotonic() + timeout

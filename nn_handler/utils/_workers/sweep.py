@@ -2,6 +2,7 @@
 
 - :func:`cpu_pool`: ``ParallelExecutor(max_workers=N)`` is N CPU workers whose functions are called without
   a device, as ``ProcessPoolExecutor(max_workers=N)``; given with ``num_gpus`` or ``device_ids`` it must agree.
+  A function that needs a ``device`` there is told so at the call (:func:`check_device_given`).
 - ``map(..., return_exceptions=True)`` (as ``asyncio.gather`` has it): the function runs inside
   :class:`Settled`, which catches an item's exception in the worker and returns it as a :class:`Raised`
   record, so one failed item fails nothing else of its chunk; a result that cannot be pickled is its own
@@ -20,14 +21,19 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import traceback
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..._checks import check_int, invalid
 from ...errors import ConfigurationError, ParallelExecutionError, RankFailure
 
-__all__ = ["cpu_pool", "Settled", "Raised", "outcomes", "unpicklable_items", "function_name"]
+__all__ = ["cpu_pool", "required_device", "check_device_given", "Settled", "Raised", "outcomes", "unpicklable_items",
+           "function_name"]
 
 
 def cpu_pool(max_workers: int | None, num_gpus: int | None, device_ids: Sequence[int | str] | None,
@@ -51,6 +57,58 @@ def cpu_pool(max_workers: int | None, num_gpus: int | None, device_ids: Sequence
         raise ConfigurationError(f"max_workers={max_workers} disagrees with device_ids={device_ids!r} (one worker "
                                  f"per device); give one of them")
     return device_ids, True if pass_device is None else bool(pass_device)
+
+
+# code object -> where its function must be given `device` (see required_device); cached as the executor
+# caches where it puts the device: inspecting a signature costs more than the rest of a warm call.
+_required: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_KEYWORD = sys.maxsize  # a keyword-only `device`: no positional argument gives it
+_UNKNOWN = object()
+
+
+def required_device(func, cached: bool = False) -> int | None:
+    """Where a call of ``func`` must give ``device`` (a parameter without a default): its positional index
+    (``sys.maxsize`` when keyword-only), or ``None`` where it needs none or its signature cannot be read.
+
+    ``cached``: for the per-call check, only plain functions (by their code object); anything else ``None``.
+
+    Example:
+        >>> def train(lr, device): ...
+        >>> required_device(train), required_device(lambda lr, device=None: lr), required_device(pow)
+        (1, None, None)
+    """
+    if cached:
+        plain = type(func) is types.FunctionType and not hasattr(func, "__signature__") \
+            and not hasattr(func, "__wrapped__")
+        if not plain:
+            return None
+        found = _required.get(func.__code__, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = _required[func.__code__] = required_device(func)
+        return found
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return None  # builtins without a signature
+    for i, p in enumerate(params):
+        if p.name == "device":
+            if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                return None
+            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else _KEYWORD
+    return None
+
+
+def check_device_given(func, needs: int | None, positional: int, keywords=()) -> None:
+    """Raise where a call of ``func`` with ``positional`` arguments and ``keywords`` lacks the ``device`` it
+    ``needs`` (:func:`required_device`), in a pool that calls functions without one (``pass_device=False``):
+    the reverse of "takes no `device` argument but pass_device=True", told at the call, not per item."""
+    if needs is None or needs < positional or "device" in keywords:
+        return
+    name = getattr(func, "__qualname__", None) or function_name(func)
+    raise TypeError(f"{name} needs a `device` argument, but this executor calls functions without one "
+                    f"(pass_device=False, as with max_workers alone); pass pass_device=True, or give "
+                    f"device_ids=[...] instead of max_workers, to have each worker's device passed, or give "
+                    f"`device` a default, or pass it yourself")
 
 
 @dataclass(frozen=True, slots=True)
