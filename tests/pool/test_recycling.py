@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -145,6 +146,15 @@ def test_worker_memory_limit_counts_the_shared_memory_a_worker_keeps(how):
         assert ex.submit(_hold_shared, 200, how).result(timeout=60) == first  # 400 MiB after it: replaced
         assert ex.submit(_count).result(timeout=60)[0] != first
         assert not pids_alive([first])
+
+
+def test_a_worker_replaced_after_max_tasks_per_worker_leaves_a_line_in_the_log(caplog):
+    caplog.set_level(logging.INFO, logger="nn_handler.utils._workers.scheduler")
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, max_tasks_per_worker=2) as ex:
+        pids = [ex.submit(_count).result(timeout=60)[0] for _ in range(3)]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "replaced" in r.getMessage()]
+    assert len(lines) == 1, lines  # the first worker, after its 2 tasks
+    assert f"pid {pids[0]}" in lines[0] and "max_tasks_per_worker=2" in lines[0] and "MiB" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("kwargs, text", [

@@ -14,6 +14,7 @@ the engine lets go of it while it waits.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -27,6 +28,8 @@ from . import transport as _transport
 from .bookkeeping import Bookkeeping
 from .calls import _POLL_IN, _Call, _Slot, _Task, _readable
 from .worker import describe
+
+logger = logging.getLogger(__name__)
 
 # How long a stopping worker gets to leave on its own before it is killed.
 _STOP_GRACE = 2.0
@@ -293,6 +296,8 @@ class Scheduler(Bookkeeping):
         if status == "mem":
             slot.probing = False
             if body > self._memory_limit:
+                logger.info("worker %d (pid %d) replaced: it holds %s after its task, above worker_memory_limit=%s",
+                            slot.index, slot.process.pid, _size(body), _size(self._memory_limit))
                 self._kill(slot)  # recycled: the next task starts a fresh one (the initializer runs again)
             return
         slot.task = None
@@ -320,6 +325,10 @@ class Scheduler(Bookkeeping):
                 self._kill(slot)
             self._task_failed(task, record, exc)
         if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("worker %d (pid %d) replaced after %d task%s (max_tasks_per_worker=%d); it holds %s",
+                            slot.index, slot.process.pid, slot.served, "s"[:slot.served != 1], self._max_tasks,
+                            _held_by(slot.process.pid))
             self._kill(slot)  # recycled, as above
 
     def _end_after(self, slot: _Slot, task: _Task, status: str, _, body) -> None:
@@ -386,6 +395,26 @@ class Scheduler(Bookkeeping):
                 call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
                                                  message=f"{what} the {call.timeout:g}s timeout; worker replaced"))
         self._finish(call)
+
+
+def _held_by(pid: int) -> str:
+    """What the worker ``pid`` holds, as :func:`~.worker.memory_in_use` counts it less its file mappings."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            held = sum(int(line.split()[1]) for line in f if line.startswith(("RssAnon:", "RssShmem:"))) << 10
+    except (OSError, ValueError, IndexError):
+        return "an unknown amount of memory"
+    return _size(held)
+
+
+def _size(nbytes: int) -> str:
+    """``"412 MiB"``, or bytes below one.
+
+    Example:
+        >>> _size(412 << 20), _size(1000)
+        ('412 MiB', '1000 bytes')
+    """
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
 def _unloadable(name: str, slot, pid: int, exc: BaseException) -> tuple[RankFailure, pickle.UnpicklingError]:
