@@ -593,7 +593,59 @@ def test_map_progress_off_a_terminal_writes_plain_lines(ours, capsys, monkeypatc
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 6, err  # one per item, and the last
-    assert lines[-1].startswith("map: 5/5 items (100%)") and "elapsed" in lines[-1]
+    assert lines[-1].startswith("square: 5/5 items (100%)") and "elapsed" in lines[-1]
+
+
+def wait_for_file(path, value):
+    """Return ``value`` once ``path`` exists (``"late"`` after 20 s): an item as slow as the test wants."""
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return "late"
+        time.sleep(0.01)
+    return value
+
+
+class _Log:
+    """Stands for stderr off a terminal; calls ``when(line)`` as each progress line is written."""
+
+    def __init__(self, when):
+        self.lines, self.when = [], when
+
+    def write(self, text):
+        for line in text.splitlines():
+            self.lines.append(line)
+            self.when(line)
+
+    def flush(self):
+        pass
+
+
+def test_map_progress_counts_items_as_they_finish_not_as_they_are_read(ours, monkeypatch, tmp_path):
+    # A slow first item: the others finish meanwhile, and the progress lines say so while it still runs
+    # (they said "0/6" until the first item was done, then jumped).
+    gate = tmp_path / "gate"
+    log = _Log(lambda line: "5/6 items" in line and gate.touch())  # the 5 quick ones counted: let the first end
+    monkeypatch.setattr("nn_handler._progress.INTERVAL_S", 0.0)
+    monkeypatch.setattr(sys, "stderr", log)
+    out = list(ours.map(wait_for_file, [str(gate)] + [str(tmp_path)] * 5, ["first", 1, 2, 3, 4, 5], progress=True))
+    assert out == ["first", 1, 2, 3, 4, 5], (out, log.lines)
+    assert [line.split(" items")[0] for line in log.lines] == [f"wait_for_file: {n}/6" for n in range(1, 7)] + \
+        ["wait_for_file: 6/6"], log.lines  # named after the function; one line per item done, and the last
+
+
+def test_map_progress_of_a_failed_map_ends_on_a_line_that_says_so(ours, monkeypatch):
+    log = _Log(lambda line: None)
+    monkeypatch.setattr(sys, "stderr", log)
+    with pytest.raises(ZeroDivisionError):
+        list(ours.map(divide, [1, 2, 3, 4, 5], [1, 1, 0, 1, 1], progress=True))
+    last = log.lines[-1]
+    assert last.startswith("divide: ") and "failed at item 2: ZeroDivisionError: division by zero" in last, last
+    assert "left" not in last, last  # no time left to promise
+    log.lines.clear()
+    out = list(ours.map(divide, [1, 2, 3], [1, 0, 1], progress=True, return_exceptions=True))
+    assert isinstance(out[1], ZeroDivisionError)
+    assert log.lines[-1].startswith("divide: 3/3 items (100%)") and log.lines[-1].endswith(", 1 failed"), log.lines
 
 
 def test_map_progress_bar_on_a_terminal(ours, monkeypatch):

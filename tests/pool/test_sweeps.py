@@ -192,7 +192,8 @@ def test_decorated_function_map_spreads_one_call_per_item_over_its_warm_workers(
         assert [o[0] for i, o in enumerate(out) if i != 3] == [0, 1, 4, 16, 25]
         assert {o[1] for i, o in enumerate(out) if i != 3} == {"cpu"}
         assert isinstance(out[3], KeyError) and isinstance(out[3], ParallelExecutionError)
-        assert "map: 6/6 items (100%)" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "trial: 6/6 items (100%), " in err and ", 1 failed" in err.splitlines()[-1], err
         pids = {o[2] for i, o in enumerate(out) if i != 3}
         assert pids <= {p for _, _, p in trial(0)}  # the decorator's own warm workers
         with pytest.raises(KeyError):

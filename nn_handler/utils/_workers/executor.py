@@ -23,7 +23,7 @@ from .._devices import cuda_count, parse_device_ids
 from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
-from .map_chunks import _MapChunks, _check_map_timeout, _length, _progress_bar, _results
+from .map_chunks import _MapChunks, _Progress, _check_map_timeout, _length, _results
 from .sweep import Settled, check_device_given, cpu_pool, function_name, required_device
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
@@ -478,18 +478,21 @@ class ParallelExecutor(concurrent.futures.Executor):
             fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
         end = None if timeout is None else time.monotonic() + timeout
         total = _length(iterables)
-        chunks = _MapChunks(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize)
+        bar = _Progress(total, function_name(fn), return_exceptions) if progress else None
+        chunks = _MapChunks(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize, bar)
         try:
             futures = collections.deque(chunks.submit(buffersize))  # all of them, unless buffered
-        except BaseException:
+        except BaseException as exc:
             chunks.close()
+            if bar is not None:
+                bar.close(f"failed before any item was sent: {type(exc).__name__}")
             raise
         if buffersize is None:
             chunks.close()  # nothing more to send: the function's files go with its last chunk
         # A lazy map submits as it is read, so its iterator keeps the executor; any other holds only its
         # futures: dropped with the executor, it leaves the workers free to end once its tasks are done.
         keep = self if buffersize is not None else None
-        return _results(keep, futures, chunks, end, _progress_bar(progress, total), return_exceptions)
+        return _results(keep, futures, chunks, end, return_exceptions)
 
 
 def _executor_dropped(pool) -> None:
