@@ -33,7 +33,6 @@ import traceback
 from ...errors import RankFailure
 from . import pipes
 from . import transport as _transport
-from .sweep import Settled, unpicklable_items
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
@@ -293,6 +292,8 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 try:
                     body, _ = encoder.dumps(result)
                 except Exception as exc:
+                    from .sweep import Settled, unpicklable_items  # (loaded already where the function is one)
+
                     if kind != "map" or not isinstance(cached_fn[0], Settled):
                         raise _unpicklable_result(cached_fn[0], exc) from exc
                     # return_exceptions: a result that cannot be pickled is its own item's error, not its chunk's
