@@ -243,8 +243,9 @@ class ParallelExecutor(concurrent.futures.Executor):
         max_tasks_per_worker: Replace a worker after this many tasks (its
             initializer runs again in the new one); ``None``: never.
         worker_memory_limit: Replace a worker whose memory after a task is
-            above this many bytes (on the CPU private plus shared memory it keeps, less its result files;
-            ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            above this many bytes (on the CPU private plus shared memory it keeps, argument files it still
+            maps whole, less its result files; ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            Each replacement is logged (INFO).
         backend: ``"local"``: worker processes on this machine. ``"ray"``:
             one Ray actor per device anywhere in a Ray cluster (``num_gpus=1``
             each for GPUs, ``num_cpus=1`` for ``"cpu"`` workers; Ray picks the
@@ -447,12 +448,16 @@ class ParallelExecutor(concurrent.futures.Executor):
                 cost less per item for small work.
             buffersize: Chunks (items, with ``chunksize=1``) submitted ahead
                 of the result being read; ``None``: all of them at once.
-            progress: Draw a tqdm bar (items/s, ETA) on a terminal; elsewhere
-                (a log file, a pipe) write a line every few seconds.
+            progress: Draw a tqdm bar (items/s, ETA) named after ``fn``, counting
+                items as they finish, on a terminal; elsewhere (a log file, a
+                pipe) write a line every few seconds. A failed map's last line
+                says where and why.
             return_exceptions: Yield an item's exception in its place instead
                 of raising it (as ``asyncio.gather``), so a failed item loses
-                nothing else; a chunk whose worker died or timed out yields
-                that error for each of its items.
+                nothing else, whatever the chunksize (a result that cannot be
+                pickled, an item's ``SystemExit``: that item's error); a chunk
+                whose worker died or timed out yields that error for each of
+                its items.
 
         Returns:
             An iterator over the results, in input order (``list(...)`` for a list).
