@@ -195,6 +195,23 @@ def test_a_result_the_worker_cannot_pickle_raises_the_pickling_error(executor):
     assert executor.submit(square, 4).result(timeout=60) == 16
 
 
+def unpicklable_for(x):
+    return ErrorAtPickle() if x == "bad" else x
+
+
+def test_each_item_gets_its_own_outcome_as_each_task_of_the_standard_pool_does(executor):
+    # The standard's map has no return_exceptions: a future per item gives each its own outcome. Ours, with
+    # return_exceptions, gives the same whatever the chunksize (a chunk of 3 lost its good items).
+    items = [1, "bad", 3, 4, "bad", 6]
+    if isinstance(executor, ParallelExecutor):
+        outcomes = list(executor.map(unpicklable_for, items, chunksize=3, return_exceptions=True))
+    else:
+        outcomes = [f.exception(timeout=60) or f.result() for f in [executor.submit(unpicklable_for, x) for x in items]]
+    assert [o for i, o in enumerate(outcomes) if i not in (1, 4)] == [1, 3, 4, 6], outcomes
+    for i in (1, 4):
+        assert isinstance(outcomes[i], pickle.PicklingError) and "error at pickle" in str(outcomes[i]), outcomes[i]
+
+
 def test_map_of_no_iterables_is_empty(executor):
     assert list(executor.map(square)) == []
 
