@@ -138,8 +138,9 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None, positi
     # attributes, which the memo checks are the same objects as when it was packed.
     packed = _packed.get(func, pass_device)
     if packed is None:
-        needs = None if pass_device else required_device(func, cached=True)
-        check_device_given(func, needs, positional, keywords)
+        needs = None if pass_device else required_device(func, every_callable=False)
+        if needs is not None:
+            check_device_given(func, needs, positional, keywords)
         packed = _pack(func, _device_position(func, pass_device), _name(func), encoder)
         # (Not kept: one holding a large tensor, and one that needs its device given, checked at each call.)
         if not packed.files and needs is None and _packed.unchanging(func):

@@ -66,26 +66,30 @@ _KEYWORD = sys.maxsize  # a keyword-only `device`: no positional argument gives 
 _UNKNOWN = object()
 
 
-def required_device(func, cached: bool = False) -> int | None:
+def required_device(func, every_callable: bool = True) -> int | None:
     """Where a call of ``func`` must give ``device`` (a parameter without a default): its positional index
     (``sys.maxsize`` when keyword-only), or ``None`` where it needs none or its signature cannot be read.
 
-    ``cached``: for the per-call check, only plain functions (by their code object); anything else ``None``.
+    A plain function's answer is cached by its code object. ``every_callable=False`` (the per-call check):
+    ``None`` for anything but a Python function, whose signature would cost more than the call.
 
     Example:
         >>> def train(lr, device): ...
         >>> required_device(train), required_device(lambda lr, device=None: lr), required_device(pow)
         (1, None, None)
     """
-    if cached:
-        plain = type(func) is types.FunctionType and not hasattr(func, "__signature__") \
-            and not hasattr(func, "__wrapped__")
-        if not plain:
-            return None
-        found = _required.get(func.__code__, _UNKNOWN)
-        if found is _UNKNOWN:
-            found = _required[func.__code__] = required_device(func)
-        return found
+    if type(func) is types.FunctionType:
+        if "__wrapped__" not in func.__dict__ and "__signature__" not in func.__dict__:  # (cheaper than hasattr)
+            found = _required.get(func.__code__, _UNKNOWN)
+            if found is _UNKNOWN:
+                found = _required[func.__code__] = _device_in_signature(func)
+            return found
+    elif not every_callable:
+        return None
+    return _device_in_signature(func)
+
+
+def _device_in_signature(func) -> int | None:
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
