@@ -420,7 +420,7 @@ def _mapped_files(results: str) -> tuple[int, int]:
 
     try:
         with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
-            if not any(kind(line.split(maxsplit=5)[-1].rstrip("\n")) for line in f):
+            if not any(directory in line and kind(line.split(maxsplit=5)[-1].rstrip("\n")) for line in f):
                 return 0, 0
         shared, files, mapping = 0, {}, None
         with open("/proc/self/smaps") as f:
