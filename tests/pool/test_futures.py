@@ -638,14 +638,16 @@ class _Log:
         pass
 
 
-def test_map_progress_counts_items_as_they_finish_not_as_they_are_read(ours, monkeypatch, tmp_path):
+def test_map_progress_counts_items_as_they_finish_not_as_they_are_read(monkeypatch, tmp_path):
     # A slow first item: the others finish meanwhile, and the progress lines say so while it still runs
-    # (they said "0/6" until the first item was done, then jumped).
+    # (they said "0/6" until the first item was done, then jumped). A pool of its own: both workers free.
     gate = tmp_path / "gate"
     log = _Log(lambda line: "5/6 items" in line and gate.touch())  # the 5 quick ones counted: let the first end
     monkeypatch.setattr("nn_handler._progress.INTERVAL_S", 0.0)
-    monkeypatch.setattr(sys, "stderr", log)
-    out = list(ours.map(wait_for_file, [str(gate)] + [str(tmp_path)] * 5, ["first", 1, 2, 3, 4, 5], progress=True))
+    with ParallelExecutor(max_workers=2) as ex:
+        ex.run(pid_of)  # both started before the bar is drawn to stderr
+        monkeypatch.setattr(sys, "stderr", log)
+        out = list(ex.map(wait_for_file, [str(gate)] + [str(tmp_path)] * 5, ["first", 1, 2, 3, 4, 5], progress=True))
     assert out == ["first", 1, 2, 3, 4, 5], (out, log.lines)
     assert [line.split(" items")[0] for line in log.lines] == [f"wait_for_file: {n}/6" for n in range(1, 7)] + \
         ["wait_for_file: 6/6"], log.lines  # named after the function; one line per item done, and the last
