@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["progress_bar", "LogLines", "INTERVAL_S"]
+__all__ = ["progress_bar", "close", "LogLines", "INTERVAL_S"]
 
 #: Seconds between two progress lines off a terminal.
 INTERVAL_S = 5.0
@@ -58,6 +58,28 @@ def progress_bar(total: int | None, desc: str, unit: str, *, file: TextIO | None
     return LogLines(total, desc, unit, file)
 
 
+def close(bar, failed: str | None = None) -> None:
+    """Close a bar of :func:`progress_bar`; ``failed``: why the work ended early, on its last line.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = progress_bar(5, "train_one", "item", file=out)
+        >>> bar.update(2)
+        >>> close(bar, "failed at item 2: ValueError: lr=5.0 diverges")
+        >>> line = out.getvalue().strip()
+        >>> line.startswith("train_one: 2/5 items (40%)"), line.endswith(", failed at item 2: ValueError: lr=5.0 diverges")
+        (True, True)
+    """
+    if failed is None:
+        bar.close()
+    elif isinstance(bar, LogLines):
+        bar.close(failed)
+    else:  # a drawn bar: the reason after its counts, where tqdm puts a postfix
+        bar.set_postfix_str(", ".join(filter(None, (bar.postfix, failed))), refresh=False)
+        bar.close()
+
+
 class LogLines:
     """Progress as plain lines: at most one every :data:`INTERVAL_S` seconds while it runs, and one at the end.
 
@@ -73,6 +95,8 @@ class LogLines:
 
     def update(self, n: int = 1) -> None:
         """``n`` steps more; a line if the last one is :attr:`interval` seconds old."""
+        if self.closed:
+            return  # (as tqdm: a late step after the end draws nothing)
         self.n += n
         now = time.monotonic()
         if now - self.last >= self.interval:
@@ -84,21 +108,27 @@ class LogLines:
         items = {**(postfix or {}), **kwargs}
         self.postfix = ", ".join(f"{key}={value}" for key, value in items.items())
 
-    def close(self) -> None:
-        """The last line (once)."""
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """What follows the counts on the next line, as tqdm's ``set_postfix_str`` (``"3 failed"``)."""
+        self.postfix = s
+
+    def close(self, failed: str | None = None) -> None:
+        """The last line (once); ``failed``: why the work ended early, said at its end instead of the time left."""
         if not self.closed:
             self.closed = True
-            self._write(time.monotonic())
+            self._write(time.monotonic(), failed)
 
-    def _write(self, now: float) -> None:
+    def _write(self, now: float, failed: str | None = None) -> None:
         from tqdm import tqdm
 
         units = self.unit + ("es" if self.unit.endswith(("ch", "sh", "s", "x")) else "s")  # batches, items
         counts = "{n_fmt}/{total_fmt} " + units + " ({percentage:.0f}%)" if self.total else "{n_fmt} " + units
-        left = ", left {remaining}" if self.total else ""
+        left = ", left {remaining}" if self.total and failed is None else ""
+        end = "" if failed is None else ", " + failed.replace("{", "{{").replace("}", "}}")
         text = tqdm.format_meter(self.n, self.total, now - self.start, prefix=self.desc, unit=self.unit,
                                  postfix=self.postfix or None,
-                                 bar_format="{desc}: " + counts + ", {rate_fmt}, elapsed {elapsed}" + left + "{postfix}")
+                                 bar_format="{desc}: " + counts + ", {rate_fmt}, elapsed {elapsed}" + left + "{postfix}"
+                                 + end)
         try:
             self.file.write(text + "\n")
             self.file.flush()

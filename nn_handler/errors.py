@@ -169,15 +169,17 @@ class _CooperativeEnd(Exception):
 
 
 def _copy_as(original: BaseException, cls: type) -> BaseException:
-    """``original`` rebuilt as an instance of ``cls`` the way pickle would, then given its exact state."""
-    rebuild, args, state = (original.__reduce_ex__(4) + (None,))[:3]
-    made = cls(*args) if rebuild is type(original) else cls.__new__(cls, *original.args)
-    if state:
-        made.__setstate__(state) if hasattr(made, "__setstate__") else made.__dict__.update(state)
+    """``original``'s state in a new instance of ``cls``, made without running any ``__init__``: the original
+    was built already (unpickled: one constructor call, as in ``ProcessPoolExecutor``'s caller), and a
+    constructor may count, log or open things."""
+    made = cls.__new__(cls, *original.args)
+    made.__dict__.update(vars(original))  # what its __init__ and __setstate__ set (a custom __reduce__'s too)
     if "__notes__" in vars(made):
         made.__notes__ = list(made.__notes__)  # ours are added to the copy only
-    fields = [name for klass in type(original).__mro__[:-2] if klass.__module__ == "builtins"  # errno, filename, ...
-              for name, slot in vars(klass).items() if type(slot) in (types.MemberDescriptorType, types.GetSetDescriptorType)]
+    # Slots: errno, filename, ... of the builtins; a class's own __slots__.
+    fields = [name for klass in type(original).__mro__[:-2] for name, slot in vars(klass).items()
+              if type(slot) in (types.MemberDescriptorType, types.GetSetDescriptorType)
+              and name not in ("__dict__", "__weakref__")]
     for name in fields:  # (not BaseException's nor object's: args, __class__)
         try:
             if getattr(original, name) is not getattr(made, name, None):

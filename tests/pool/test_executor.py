@@ -293,6 +293,56 @@ def _story(err: BaseException) -> str:
     return "".join(traceback.format_exception_only(err))
 
 
+def _result_bad_on_load(_=None, device=None):
+    return _BadOnLoad()  # built in the worker; rebuilding it in the caller raises
+
+
+@pytest.mark.parametrize("how", ["run", "submit", "map"])
+def test_a_result_that_cannot_be_unpickled_in_the_caller_is_an_unpickling_error(pool, how):
+    # The other side of an argument the worker cannot load (its own error type): catchable as
+    # pickle.UnpicklingError, naming the function, and the pool serves the next call.
+    calls = {"run": lambda: pool.run(_result_bad_on_load),
+             "submit": lambda: pool.submit(_result_bad_on_load).result(timeout=60),
+             "map": lambda: list(pool.map(_result_bad_on_load, [0, 1], chunksize=2))}
+    with pytest.raises(pickle.UnpicklingError) as info:
+        calls[how]()
+    err = info.value
+    assert isinstance(err, ParallelExecutionError), type(err)
+    assert "the result of _result_bad_on_load could not be unpickled in the caller: cannot rebuild me here" \
+        in str(err), str(err)
+    assert "_raise_on_load" in str(err.__cause__)  # where the load failed
+    assert pool.run(lambda device: "still usable") == ["still usable", "still usable"]
+    item = list(pool.map(_result_bad_on_load, [0], return_exceptions=True))[0]
+    assert isinstance(item, pickle.UnpicklingError) and isinstance(item, ParallelExecutionError), item
+
+
+class _CountsItsInit(Exception):
+    made = 0  # in this process only: the worker counts in its own
+
+    def __init__(self, *args):
+        _CountsItsInit.made += 1
+        super().__init__(*args)
+
+
+def _raise_counted(_=None, device=None):
+    raise _CountsItsInit("once")
+
+
+@pytest.mark.parametrize("how", ["run", "submit", "map"])
+def test_a_task_exception_is_built_once_in_the_caller(pool, how):
+    # ProcessPoolExecutor unpickles a task's exception once: its __init__ runs once in the caller (it ran twice).
+    calls = {"run": lambda: pool.run(_raise_counted),
+             "submit": lambda: pool.submit(_raise_counted).result(timeout=60),
+             "map": lambda: list(pool.map(_raise_counted, [0], return_exceptions=True))[0]}
+    _CountsItsInit.made = 0
+    try:
+        err = calls[how]()
+    except _CountsItsInit as raised:
+        err = raised
+    assert isinstance(err, _CountsItsInit) and err.args == ("once",), err
+    assert _CountsItsInit.made == (2 if how == "run" else 1)  # (run: one exception from each worker)
+
+
 def test_remote_exception_objects_and_tracebacks_are_kept():
     with ParallelExecutor(device_ids=CPU2) as ex:
         with pytest.raises(ParallelExecutionError) as info:

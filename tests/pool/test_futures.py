@@ -195,6 +195,23 @@ def test_a_result_the_worker_cannot_pickle_raises_the_pickling_error(executor):
     assert executor.submit(square, 4).result(timeout=60) == 16
 
 
+def unpicklable_for(x):
+    return ErrorAtPickle() if x == "bad" else x
+
+
+def test_each_item_gets_its_own_outcome_as_each_task_of_the_standard_pool_does(executor):
+    # The standard's map has no return_exceptions: a future per item gives each its own outcome. Ours, with
+    # return_exceptions, gives the same whatever the chunksize (a chunk of 3 lost its good items).
+    items = [1, "bad", 3, 4, "bad", 6]
+    if isinstance(executor, ParallelExecutor):
+        outcomes = list(executor.map(unpicklable_for, items, chunksize=3, return_exceptions=True))
+    else:
+        outcomes = [f.exception(timeout=60) or f.result() for f in [executor.submit(unpicklable_for, x) for x in items]]
+    assert [o for i, o in enumerate(outcomes) if i not in (1, 4)] == [1, 3, 4, 6], outcomes
+    for i in (1, 4):
+        assert isinstance(outcomes[i], pickle.PicklingError) and "error at pickle" in str(outcomes[i]), outcomes[i]
+
+
 def test_map_of_no_iterables_is_empty(executor):
     assert list(executor.map(square)) == []
 
@@ -593,7 +610,61 @@ def test_map_progress_off_a_terminal_writes_plain_lines(ours, capsys, monkeypatc
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 6, err  # one per item, and the last
-    assert lines[-1].startswith("map: 5/5 items (100%)") and "elapsed" in lines[-1]
+    assert lines[-1].startswith("square: 5/5 items (100%)") and "elapsed" in lines[-1]
+
+
+def wait_for_file(path, value):
+    """Return ``value`` once ``path`` exists (``"late"`` after 20 s): an item as slow as the test wants."""
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return "late"
+        time.sleep(0.01)
+    return value
+
+
+class _Log:
+    """Stands for stderr off a terminal; calls ``when(line)`` as each progress line is written."""
+
+    def __init__(self, when):
+        self.lines, self.when = [], when
+
+    def write(self, text):
+        for line in text.splitlines():
+            self.lines.append(line)
+            self.when(line)
+
+    def flush(self):
+        pass
+
+
+def test_map_progress_counts_items_as_they_finish_not_as_they_are_read(monkeypatch, tmp_path):
+    # A slow first item: the others finish meanwhile, and the progress lines say so while it still runs
+    # (they said "0/6" until the first item was done, then jumped). A pool of its own: both workers free.
+    gate = tmp_path / "gate"
+    log = _Log(lambda line: "5/6 items" in line and gate.touch())  # the 5 quick ones counted: let the first end
+    monkeypatch.setattr("nn_handler._progress.INTERVAL_S", 0.0)
+    with ParallelExecutor(max_workers=2) as ex:
+        ex.run(pid_of)  # both started before the bar is drawn to stderr
+        monkeypatch.setattr(sys, "stderr", log)
+        out = list(ex.map(wait_for_file, [str(gate)] + [str(tmp_path)] * 5, ["first", 1, 2, 3, 4, 5], progress=True))
+    assert out == ["first", 1, 2, 3, 4, 5], (out, log.lines)
+    assert [line.split(" items")[0] for line in log.lines] == [f"wait_for_file: {n}/6" for n in range(1, 7)] + \
+        ["wait_for_file: 6/6"], log.lines  # named after the function; one line per item done, and the last
+
+
+def test_map_progress_of_a_failed_map_ends_on_a_line_that_says_so(ours, monkeypatch):
+    log = _Log(lambda line: None)
+    monkeypatch.setattr(sys, "stderr", log)
+    with pytest.raises(ZeroDivisionError):
+        list(ours.map(divide, [1, 2, 3, 4, 5], [1, 1, 0, 1, 1], progress=True))
+    last = log.lines[-1]
+    assert last.startswith("divide: ") and "failed at item 2: ZeroDivisionError: division by zero" in last, last
+    assert "left" not in last, last  # no time left to promise
+    log.lines.clear()
+    out = list(ours.map(divide, [1, 2, 3], [1, 0, 1], progress=True, return_exceptions=True))
+    assert isinstance(out[1], ZeroDivisionError)
+    assert log.lines[-1].startswith("divide: 3/3 items (100%)") and log.lines[-1].endswith(", 1 failed"), log.lines
 
 
 def test_map_progress_bar_on_a_terminal(ours, monkeypatch):

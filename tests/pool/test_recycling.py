@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
 
 import pytest
@@ -145,6 +147,42 @@ def test_worker_memory_limit_counts_the_shared_memory_a_worker_keeps(how):
         assert ex.submit(_hold_shared, 200, how).result(timeout=60) == first  # 400 MiB after it: replaced
         assert ex.submit(_count).result(timeout=60)[0] != first
         assert not pids_alive([first])
+
+
+def _keep_a_view(tensor):
+    worker_state().setdefault("views", []).append(tensor[:10])  # the whole argument file stays mapped
+    return os.getpid()
+
+
+@pytest.mark.parametrize("how", ["submit", "map"])
+def test_worker_memory_limit_counts_the_argument_files_a_worker_keeps_a_view_of(how, caplog):
+    # A view keeps its argument's whole file in shared memory, though the worker touched none of its pages.
+    import torch
+
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    argument = torch.ones(64 << 18)  # 64 MiB, a file of its own for each task
+    caplog.set_level(logging.INFO, logger="nn_handler.utils._workers.scheduler")
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (100 << 20)) as ex:
+        if how == "submit":
+            pids = [ex.submit(_keep_a_view, argument).result(timeout=60) for _ in range(4)]
+        else:
+            pids = list(ex.map(_keep_a_view, [argument] * 4))
+    # 64 MiB held: kept; 128 MiB: replaced after its second task, and so on.
+    assert pids[0] == pids[1] != pids[2] == pids[3], pids
+    lines = [r.getMessage() for r in caplog.records if "worker_memory_limit" in r.getMessage()]
+    assert len(lines) == 2, lines
+    held = re.search(rf"pid {pids[0]}\b.* holds (\d+) MiB", lines[0])  # why, which worker, how much
+    assert held and int(held.group(1)) >= ((baseline + (128 << 20)) >> 20) - 8, (baseline >> 20, lines[0])
+
+
+def test_a_worker_replaced_after_max_tasks_per_worker_leaves_a_line_in_the_log(caplog):
+    caplog.set_level(logging.INFO, logger="nn_handler.utils._workers.scheduler")
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, max_tasks_per_worker=2) as ex:
+        pids = [ex.submit(_count).result(timeout=60)[0] for _ in range(3)]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "replaced" in r.getMessage()]
+    assert len(lines) == 1, lines  # the first worker, after its 2 tasks
+    assert f"pid {pids[0]}" in lines[0] and "max_tasks_per_worker=2" in lines[0] and "MiB" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("kwargs, text", [

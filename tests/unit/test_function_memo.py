@@ -137,11 +137,22 @@ def test_a_module_imported_since_the_last_call_means_a_new_pickle(packs, monkeyp
 
 
 def test_the_device_position_is_part_of_what_is_kept(packs):
-    f, _ = script("def f(device, x=0):\n    return x")
+    f, _ = script("def f(device=None, x=0):\n    return x")  # (a default: a pool without devices calls it too)
     with_device = executor._pickle_call(f, True, ENCODER)
     without = executor._pickle_call(f, False, ENCODER)
     assert cloudpickle.loads(with_device.body)[1] == 0
     assert cloudpickle.loads(without.body)[1] is None
+
+
+def test_a_function_that_needs_its_device_given_is_checked_at_every_call(packs):
+    # Without devices (pass_device=False) such a function is never kept: a call that gives no device must
+    # still be told, though one that gave it came before.
+    f, _ = script("def f(x, device):\n    return x")
+    assert executor._pickle_call(f, False, ENCODER, 2).body
+    assert executor._pickle_call(f, False, ENCODER, 1, {"device": "cpu"}).body
+    with pytest.raises(TypeError, match="f needs a `device` argument"):
+        executor._pickle_call(f, False, ENCODER, 1)
+    assert len(packs) == 2
 
 
 def test_only_immutable_or_importable_objects_make_a_function_unchanging():

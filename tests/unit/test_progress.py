@@ -64,3 +64,17 @@ def test_training_off_a_terminal_reports_each_epoch_in_plain_lines(capsys):
     assert [line.split(":")[0] for line in lines][-1] == "epoch 2/2" and lines[0].startswith("epoch 1/2: ")
     ends = [line for line in lines if "4/4 batches (100%)" in line]  # the last line of each epoch
     assert list(dict.fromkeys(line.split(":")[0] for line in ends)) == ["epoch 1/2", "epoch 2/2"], err
+
+
+@pytest.mark.parametrize("stream", [Terminal, io.StringIO], ids=["drawn bar", "lines"])
+def test_a_bar_closed_on_a_failure_says_so_on_its_last_line(stream):
+    out = stream()
+    bar = progress_bar(5, "train_one", "item", file=out)
+    bar.update(2)
+    bar.set_postfix_str("1 failed")
+    _progress.close(bar, "failed at item 2: ValueError: lr=5.0 diverges")
+    last = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith("train_one: ") and "2/5" in last, last
+    assert "1 failed, failed at item 2: ValueError: lr=5.0 diverges" in last, last
+    bar.update(1)  # a late step (a chunk of an abandoned map) draws nothing
+    assert out.getvalue().replace("\r", "\n").strip().splitlines()[-1] == last

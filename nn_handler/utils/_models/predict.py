@@ -279,7 +279,9 @@ def parallel_predict(
         per_task = 1 if num_workers == 0 else max(1, math.ceil(n_batches / (_TASKS_PER_DEVICE * executor.num_workers)))
         step = per_task * batch_size
         tasks = [(start, min(start + step, length)) for start in range(0, length, step)]
-        per_task_outputs = list(executor.map(functools.partial(_run_task, token), tasks, progress=progress))
+        run_task = functools.partial(_run_task, token)
+        run_task.__name__ = "parallel_predict"  # what its progress line and its errors call it
+        per_task_outputs = list(executor.map(run_task, tasks, progress=progress))
     return _concat([out for outputs in per_task_outputs for out in outputs])
 
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterator
 
 import cloudpickle
 
-from ..._checks import check_choice, check_int, check_number, invalid
+from ..._checks import check_bool, check_choice, check_int, check_number, invalid
 from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
 from . import pickler
 from .function_memo import FunctionMemo
 from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
-from .map_chunks import _MapChunks, _check_map_timeout, _length, _progress_bar, _results
-from .sweep import Settled, cpu_pool
+from .map_chunks import _MapChunks, _Progress, _check_map_timeout, _length, _results
+from .sweep import Settled, check_device_given, cpu_pool, function_name, required_device
 from .transport import Encoder, PackedFunction
 from .worker import worker_state
 
@@ -120,12 +120,15 @@ def _find_device_position(func, pass_device: bool) -> int | None:
     return None
 
 
-def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> PackedFunction:
+def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None, positional: int = 0,
+                 keywords=()) -> PackedFunction:
     """Pickle the function (with where its device argument goes), or say why it cannot be.
 
     Large tensors it holds (closure, defaults) go to shared-memory files of
     ``encoder`` as arguments do; the caller releases them after the call.
     Without an encoder they stay in the bytes (for checks: nothing to release).
+    ``positional``, ``keywords``: how it will be called, to tell a function that needs a ``device`` it will
+    not get (``pass_device=False``) so at once (see :func:`.sweep.check_device_given`).
     """
     if not callable(func):
         raise TypeError(f"expected a callable to run, got {type(func).__name__}: {func!r}")
@@ -135,8 +138,12 @@ def _pickle_call(func, pass_device: bool, encoder: Encoder | None = None) -> Pac
     # attributes, which the memo checks are the same objects as when it was packed.
     packed = _packed.get(func, pass_device)
     if packed is None:
+        needs = None if pass_device else required_device(func, every_callable=False)
+        if needs is not None:
+            check_device_given(func, needs, positional, keywords)
         packed = _pack(func, _device_position(func, pass_device), _name(func), encoder)
-        if not packed.files and _packed.unchanging(func):  # (one holding a large tensor never is)
+        # (Not kept: one holding a large tensor, and one that needs its device given, checked at each call.)
+        if not packed.files and needs is None and _packed.unchanging(func):
             packed = dataclasses.replace(packed, unchanging=True)  # workers may copy the one they loaded before
             _packed.put(func, pass_device, packed)
     return packed
@@ -171,6 +178,7 @@ class _Star:
 
     def __init__(self, func, position: int | None, pass_device: bool):
         self.func, self.position, self.pass_device = func, position, pass_device
+        self.__name__ = function_name(func)  # what the worker's messages call it
 
     def __call__(self, items, device=None):
         if not self.pass_device:
@@ -238,8 +246,9 @@ class ParallelExecutor(concurrent.futures.Executor):
         max_tasks_per_worker: Replace a worker after this many tasks (its
             initializer runs again in the new one); ``None``: never.
         worker_memory_limit: Replace a worker whose memory after a task is
-            above this many bytes (on the CPU private plus shared memory it keeps, less its result files;
-            ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            above this many bytes (on the CPU private plus shared memory it keeps, argument files it still
+            maps whole, less its result files; ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            Each replacement is logged (INFO).
         backend: ``"local"``: worker processes on this machine. ``"ray"``:
             one Ray actor per device anywhere in a Ray cluster (``num_gpus=1``
             each for GPUs, ``num_cpus=1`` for ``"cpu"`` workers; Ray picks the
@@ -297,6 +306,8 @@ class ParallelExecutor(concurrent.futures.Executor):
             if not callable(initializer):
                 raise TypeError(f"initializer must be callable, got {type(initializer).__name__}")
             position = _device_position(initializer, self.pass_device)
+            if not self.pass_device:
+                check_device_given(initializer, required_device(initializer), len(initargs))
             try:
                 init_blob = pickler.dumps(((initializer, position), tuple(initargs)))
             except Exception:
@@ -378,7 +389,7 @@ class ParallelExecutor(concurrent.futures.Executor):
 
     def _run(self, func, args: tuple, kwargs: dict, *, fail_fast: bool = False, name: str | None = None) -> list:
         self._pool.check_owner()
-        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions)
+        fn_blob = _pickle_call(func, self.pass_device, self._pool.functions, len(args), kwargs)
         try:
             return self._pool.run(fn_blob, args, kwargs, self.timeout, name or _name(func), fail_fast)
         except PayloadPicklingError:
@@ -402,7 +413,7 @@ class ParallelExecutor(concurrent.futures.Executor):
             1024
         """
         self._pool.check_owner()
-        fn_blob = _pickle_call(fn, self.pass_device, self._pool.functions)
+        fn_blob = _pickle_call(fn, self.pass_device, self._pool.functions, len(args), kwargs)
         try:
             future = self._pool.submit(self._pool.new_fn_id(), fn_blob, "run", [(args, kwargs)], self.timeout,
                                        _name(fn))[0]
@@ -440,12 +451,16 @@ class ParallelExecutor(concurrent.futures.Executor):
                 cost less per item for small work.
             buffersize: Chunks (items, with ``chunksize=1``) submitted ahead
                 of the result being read; ``None``: all of them at once.
-            progress: Draw a tqdm bar (items/s, ETA) on a terminal; elsewhere
-                (a log file, a pipe) write a line every few seconds.
+            progress: Draw a tqdm bar (items/s, ETA) named after ``fn``, counting
+                items as they finish, on a terminal; elsewhere (a log file, a
+                pipe) write a line every few seconds. A failed map's last line
+                says where and why.
             return_exceptions: Yield an item's exception in its place instead
                 of raising it (as ``asyncio.gather``), so a failed item loses
-                nothing else; a chunk whose worker died or timed out yields
-                that error for each of its items.
+                nothing else, whatever the chunksize (a result that cannot be
+                pickled, an item's ``SystemExit``: that item's error); a chunk
+                whose worker died or timed out yields that error for each of
+                its items.
 
         Returns:
             An iterator over the results, in input order (``list(...)`` for a list).
@@ -453,32 +468,39 @@ class ParallelExecutor(concurrent.futures.Executor):
         check_int("chunksize", chunksize, minimum=1)
         check_int("buffersize", buffersize, minimum=1, allow_none=True)
         _check_map_timeout(timeout)
+        check_bool("progress", progress)
+        check_bool("return_exceptions", return_exceptions)
         self._pool.check_owner()
         if not iterables:
             return iter(())  # as zip() of nothing: no item, no call
+        if not self.pass_device:  # (once per map: any callable's signature)
+            check_device_given(fn, required_device(fn), len(iterables))
         if return_exceptions:  # each item's exception is caught in the worker (see .sweep)
             star = len(iterables) > 1
             settled = Settled(fn, _device_position(fn, self.pass_device), self.pass_device, star)
             fn_blob = _pack(settled, None, _name(fn), self._pool.functions)
             items = zip(*iterables) if star else iter(iterables[0])
         elif len(iterables) == 1:
-            fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions), iter(iterables[0])
+            fn_blob, items = _pickle_call(fn, self.pass_device, self._pool.functions, 1), iter(iterables[0])
         else:
             fn_blob, items = _pickle_star(fn, self.pass_device, self._pool.functions), zip(*iterables)
         end = None if timeout is None else time.monotonic() + timeout
         total = _length(iterables)
-        chunks = _MapChunks(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize)
+        bar = _Progress(total, function_name(fn), return_exceptions) if progress else None
+        chunks = _MapChunks(self._pool, fn_blob, _name(fn), self.timeout, items, chunksize, bar)
         try:
             futures = collections.deque(chunks.submit(buffersize))  # all of them, unless buffered
-        except BaseException:
+        except BaseException as exc:
             chunks.close()
+            if bar is not None:
+                bar.close(f"failed before any item was sent: {type(exc).__name__}")
             raise
         if buffersize is None:
             chunks.close()  # nothing more to send: the function's files go with its last chunk
         # A lazy map submits as it is read, so its iterator keeps the executor; any other holds only its
         # futures: dropped with the executor, it leaves the workers free to end once its tasks are done.
         keep = self if buffersize is not None else None
-        return _results(keep, futures, chunks, end, _progress_bar(progress, total), bool(return_exceptions))
+        return _results(keep, futures, chunks, end, return_exceptions)
 
 
 def _executor_dropped(pool) -> None:

@@ -3,8 +3,8 @@
 :meth:`ParallelExecutor.map <nn_handler.utils._workers.executor.ParallelExecutor.map>` validates its
 arguments and packs the function; this module does the rest: :class:`_MapChunks` submits the chunks (all at
 once, or a few ahead of the reader with ``buffersize``) and keeps the function's large-tensor files until the
-last chunk is over; :func:`_results` yields each item's result in order, with a progress bar and, with
-``return_exceptions``, each item's exception in its place.
+last chunk is over; :func:`_results` yields each item's result in order and, with ``return_exceptions``,
+each item's exception in its place; :class:`_Progress` counts the items as their chunks finish.
 
 Private: :class:`~nn_handler.utils.ddp_decorators.ParallelExecutor` is the public face.
 """
@@ -21,9 +21,9 @@ from typing import Iterator
 import cloudpickle
 
 from ..._checks import invalid
-from ..._progress import progress_bar
+from ..._progress import close as close_bar, progress_bar
 from .pool import PayloadPicklingError
-from .sweep import outcomes
+from .sweep import Raised, outcomes
 
 
 def _check_map_timeout(timeout) -> None:
@@ -41,18 +41,55 @@ def _length(iterables) -> int | None:
         return None
 
 
-def _progress_bar(progress: bool, total: int | None):
-    return progress_bar(total, "map", "item") if progress else None
+class _Progress:
+    """A map's progress bar, named after its function, counting each chunk's items as the chunk finishes
+    (in any order: a slow first item holds up the results, not the count); with ``return_exceptions``, the
+    items that failed too. Its last line says so where the map failed."""
+
+    def __init__(self, total: int | None, label: str, settle: bool):
+        self.bar, self.settle = progress_bar(total, label, "item"), settle
+        self.failed, self.closed, self.lock = 0, False, threading.Lock()
+
+    def chunk_over(self, future) -> None:
+        """A chunk's done-callback (in the thread that settled it)."""
+        if future.cancelled():
+            return
+        failed = 0
+        if self.settle:  # (done: these neither wait nor drive)
+            if concurrent.futures.Future.exception(future) is not None:
+                failed = future.items  # its worker died or timed out: every item of it failed so
+            else:
+                failed = sum(isinstance(value, Raised) for value in concurrent.futures.Future.result(future))
+        with self.lock:  # (a late chunk of an abandoned map draws nothing)
+            if self.closed:
+                return
+            if failed:
+                self.failed += failed
+                self.bar.set_postfix_str(f"{self.failed} failed", refresh=False)
+            self.bar.update(future.items)
+
+    def close(self, failed: str | None = None) -> None:
+        with self.lock:
+            self.closed = True
+            close_bar(self.bar, failed)
+
+
+def _failure(exc: BaseException, first: int, count: int) -> str:
+    """What the last progress line of a map that raised ``exc`` at its items ``first..first+count-1`` says."""
+    kind = getattr(exc, "original_type", None) or type(exc)  # the task's own type, not ParallelExecutionError[...]
+    message = (str(exc).splitlines() or [""])[0]
+    where = f"item {first}" if count == 1 else f"items {first}-{first + count - 1}"
+    return f"failed at {where}: {kind.__name__}" + (f": {message[:200]}" if message else "")
 
 
 class _MapChunks:
     """A map's input cut into chunks and submitted; the function's large-tensor files live until every chunk
-    submitted is over and no more will be."""
+    submitted is over and no more will be. ``progress``: counts each chunk as it finishes, or ``None``."""
 
-    def __init__(self, pool, fn_blob, name, task_timeout, items, chunksize):
+    def __init__(self, pool, fn_blob, name, task_timeout, items, chunksize, progress: _Progress | None = None):
         self.pool, self.fn_blob, self.name, self.task_timeout = pool, fn_blob, name, task_timeout
         self.fn_id = pool.new_fn_id()
-        self.items, self.chunksize = items, chunksize
+        self.items, self.chunksize, self.progress = items, chunksize, progress
         self.first = 0  # index of the first item of the next chunk to send
         self.pending, self.closed, self.released, self.lock = 0, False, False, threading.Lock()
 
@@ -81,8 +118,10 @@ class _MapChunks:
             future.items = len(chunk)  # (return_exceptions: one error for each)
         with self.lock:
             self.pending += len(futures)
-        for future in futures:
-            concurrent.futures.Future.add_done_callback(future, self._chunk_over)  # (no one looking: see CallFuture)
+        for future in futures:  # (the base class's method: no one looking, see CallFuture)
+            concurrent.futures.Future.add_done_callback(future, self._chunk_over)
+            if self.progress is not None:
+                concurrent.futures.Future.add_done_callback(future, self.progress.chunk_over)
         return futures
 
     def _chunk_over(self, _future) -> None:
@@ -104,12 +143,13 @@ class _MapChunks:
             self.fn_blob.release()
 
 
-def _results(executor, futures: collections.deque, chunks: _MapChunks, end: float | None, bar,
+def _results(executor, futures: collections.deque, chunks: _MapChunks, end: float | None,
              settle: bool = False) -> Iterator:
     """The items of each chunk's result in order, one more chunk submitted per chunk read while ``chunks`` is
     open (``buffersize``). Nothing is held once yielded: a result the caller dropped is freed at once. Closed
     early, the chunks not started are cancelled. ``executor``: kept alive until the end (a lazy map's), or
     ``None``."""
+    failed, read = None, 0  # read: items yielded (the index of the next one)
     try:
         while futures:
             future = futures.popleft()
@@ -119,29 +159,34 @@ def _results(executor, futures: collections.deque, chunks: _MapChunks, end: floa
                 chunk = future.result(None if end is None else end - time.monotonic())
             except (TimeoutError, concurrent.futures.TimeoutError) as exc:
                 if not future.done():
+                    failed = _failure(TimeoutError("results not in within the map's timeout"), read, future.items)
                     raise TimeoutError(f"map of {chunks.name}: results not in within its timeout") from None
                 if not settle:
+                    failed = _failure(exc, read, future.items)
                     raise  # the task's own timeout (ExecutorTimeoutError), with its worker's story
                 chunk = [exc] * future.items
             except Exception as exc:
                 if not settle:
+                    failed = _failure(exc, read, future.items)
                     raise
                 chunk = [exc] * future.items  # its worker died: every item of it failed so
             finally:
                 future.cancel()  # (past the map's timeout: it will not be read)
                 del future
-            if bar is not None:
-                bar.update(len(chunk))
             if settle:
                 chunk = outcomes(chunk, chunks.name)
+            read += len(chunk)
             chunk.reverse()
             while chunk:
                 yield chunk.pop()
             del chunk
+    except (Exception, KeyboardInterrupt) as exc:  # (not GeneratorExit: the reader stopped, nothing failed)
+        failed = failed or _failure(exc, read, 1)
+        raise
     finally:  # done, failed or abandoned: the chunks not started yet are dropped
         for future in futures:
             future.cancel()
         chunks.close(release=True)  # read to the end (every chunk is over), failed or abandoned
-        if bar is not None:
-            bar.close()
+        if chunks.progress is not None:
+            chunks.progress.close(failed)
         del executor  # (a lazy map's, held while it may submit more)

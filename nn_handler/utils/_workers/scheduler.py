@@ -14,10 +14,12 @@ the engine lets go of it while it waits.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
 import time
+import traceback
 from concurrent.futures import Future
 
 from ...errors import RankFailure
@@ -26,6 +28,8 @@ from . import transport as _transport
 from .bookkeeping import Bookkeeping
 from .calls import _POLL_IN, _Call, _Slot, _Task, _readable
 from .worker import describe
+
+logger = logging.getLogger(__name__)
 
 # How long a stopping worker gets to leave on its own before it is killed.
 _STOP_GRACE = 2.0
@@ -292,6 +296,8 @@ class Scheduler(Bookkeeping):
         if status == "mem":
             slot.probing = False
             if body > self._memory_limit:
+                logger.info("worker %d (pid %d) replaced: it holds %s after its task, above worker_memory_limit=%s",
+                            slot.index, slot.process.pid, _size(body), _size(self._memory_limit))
                 self._kill(slot)  # recycled: the next task starts a fresh one (the initializer runs again)
             return
         slot.task = None
@@ -303,6 +309,9 @@ class Scheduler(Bookkeeping):
             # task, and without the lock: callers queue work meanwhile.
             self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))
             slot.unloaded += 1
+        elif status == "end":
+            self._end_after(slot, task, *body)
+            return
         else:
             record, blob = body
             exc = None
@@ -316,7 +325,25 @@ class Scheduler(Bookkeeping):
                 self._kill(slot)
             self._task_failed(task, record, exc)
         if slot.alive and self._max_tasks is not None and slot.served >= self._max_tasks:
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("worker %d (pid %d) replaced after %d task%s (max_tasks_per_worker=%d); it holds %s",
+                            slot.index, slot.process.pid, slot.served, "s"[:slot.served != 1], self._max_tasks,
+                            _held_by(slot.process.pid))
             self._kill(slot)  # recycled, as above
+
+    def _end_after(self, slot: _Slot, task: _Task, status: str, _, body) -> None:
+        """A task's reply, after which its worker ends (an item of a ``return_exceptions`` map raised
+        ``SystemExit``): settle the task as its reply says, then replace the worker."""
+        if status == "val":
+            self._task_done(task, body)
+        elif status == "ok":
+            self._replies.append((task, body, slot, slot.incarnation, slot.process.pid, slot.files))
+            slot.unloaded += 1  # its files stay until the result is loaded (see _kill)
+        else:
+            record, blob = body
+            self._task_failed(task, record, _transport.load_error(blob))
+        slot.process.join(_STOP_GRACE)
+        self._kill(slot)
 
     def _load_replies(self, replies: list) -> None:
         """Unpickle results (outside the lock), then hand them to their futures."""
@@ -325,9 +352,7 @@ class Scheduler(Bookkeeping):
             try:
                 outcomes.append((task, _transport.loads(body), None))
             except (Exception, SystemExit) as exc:  # SystemExit too: it would end the engine
-                record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type=type(exc).__qualname__,
-                                     message=f"the result could not be unpickled in the caller: {describe(exc)}")
-                outcomes.append((task, None, (record, slot, incarnation)))
+                outcomes.append((task, None, (*_unloadable(task.call.name, slot, pid, exc), slot, incarnation)))
         with self._lock:
             self._loading = [batch for batch in self._loading if batch is not replies]
             for *_, slot, incarnation, _, files in replies:
@@ -336,10 +361,10 @@ class Scheduler(Bookkeeping):
                 if failure is None:
                     self._task_done(task, value)
                     continue
-                record, slot, incarnation = failure
+                record, error, slot, incarnation = failure
                 if slot.incarnation == incarnation and slot.alive and slot.task is None:
                     self._drop_reply_files(slot)  # else its kill or the shutdown removes them
-                self._task_failed(task, record)
+                self._task_failed(task, record, error)
             if self._closing and not self._busy():
                 self._idle.notify_all()  # shutdown() waits for it
 
@@ -370,3 +395,33 @@ class Scheduler(Bookkeeping):
                 call.failures.append(RankFailure(rank=slot.index, device=slot.device, pid=pid,
                                                  message=f"{what} the {call.timeout:g}s timeout; worker replaced"))
         self._finish(call)
+
+
+def _held_by(pid: int) -> str:
+    """What the worker ``pid`` holds, as :func:`~.worker.memory_in_use` counts it less its file mappings."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            held = sum(int(line.split()[1]) for line in f if line.startswith(("RssAnon:", "RssShmem:"))) << 10
+    except (OSError, ValueError, IndexError):
+        return "an unknown amount of memory"
+    return _size(held)
+
+
+def _size(nbytes: int) -> str:
+    """``"412 MiB"``, or bytes below one.
+
+    Example:
+        >>> _size(412 << 20), _size(1000)
+        ('412 MiB', '1000 bytes')
+    """
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
+def _unloadable(name: str, slot, pid: int, exc: BaseException) -> tuple[RankFailure, pickle.UnpicklingError]:
+    """A result the caller cannot unpickle (a class only the worker can import, a ``__reduce__`` that fails
+    here): a ``pickle.UnpicklingError``, as an argument the worker cannot load is an error of its own type
+    there; the traceback of the failed load stands as its cause."""
+    error = pickle.UnpicklingError(f"the result of {name} could not be unpickled in the caller: {describe(exc)}")
+    record = RankFailure(rank=slot.index, device=slot.device, pid=pid, exc_type="UnpicklingError",
+                         message=str(error), traceback=traceback.format_exc())
+    return record, error

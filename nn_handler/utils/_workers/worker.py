@@ -11,7 +11,9 @@ tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 (see :mod:`.lending`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
-worker ends: the function raised ``SystemExit``), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
+worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's own reply, after which the
+worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``init`` (started, the initializer
+runs) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import select
 import signal
 import sys
@@ -33,6 +36,7 @@ from . import transport as _transport
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
+_ending = False  # the task asked this worker to end once its reply is sent (see end_after_task)
 
 
 def worker_state() -> dict:
@@ -54,6 +58,16 @@ def worker_state() -> dict:
         >>> # ParallelExecutor(initializer=load).map(predict, batches)
     """
     return _state
+
+
+def end_after_task() -> None:
+    """End this worker once the reply of its current task is sent (the pool then replaces it).
+
+    For a ``SystemExit`` that :class:`~.sweep.Settled` caught for one item of a chunk: the item gets its
+    error, the rest of the chunk its results, and the worker ends as the function asked.
+    """
+    global _ending
+    _ending = True
 
 
 def worker_index() -> int | None:
@@ -305,7 +319,12 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 try:
                     body, _ = encoder.dumps(result)
                 except Exception as exc:
-                    raise _unpicklable_result(cached_fn[0], exc) from exc
+                    from .sweep import Settled, unpicklable_items  # (loaded already where the function is one)
+
+                    if kind != "map" or not isinstance(cached_fn[0], Settled):
+                        raise _unpicklable_result(cached_fn[0], exc) from exc
+                    # return_exceptions: a result that cannot be pickled is its own item's error, not its chunk's
+                    body, _ = encoder.dumps(unpicklable_items(result, cached_fn[0], encoder.probe, device_str))
                 reply = ("ok", call_id, body)
         except BaseException as exc:
             failure = _failure(index, device_str, exc, traceback.format_exc())
@@ -315,10 +334,14 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 pipes.write_message(fd, pickle.dumps(("exit", call_id, failure)))
                 return
             reply = ("err", call_id, failure)
+        if _ending:  # an item of a settled map raised SystemExit: its chunk's reply, then this worker ends
+            reply = ("end", call_id, reply)
         try:
             pipes.write_message(fd, pickle.dumps(reply))
         except OSError:
             return  # the pool closed our pipe: nobody is left to read it
+        if _ending:
+            return
         # Let go of the task now, not when the next one comes: a large
         # result is freed while the caller maps it (not in the next call's
         # time), and the memory probe (worker_memory_limit) does not count it.
@@ -384,8 +407,9 @@ def _import_main(main: dict | None) -> None:
 
 def memory_in_use(device, results: str | None = None) -> int:
     """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
-    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings), less the
-    result files (``results*``) it writes again through mappings it keeps, which the caller maps too.
+    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings, the
+    whole of every argument file it still maps, touched or not), less the result files (``results*``) it
+    writes again through mappings it keeps, which the caller maps too.
     The libraries' pages, shared with the server and the other workers, do not count."""
     import torch
 
@@ -400,30 +424,55 @@ def memory_in_use(device, results: str | None = None) -> int:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
-    return held - _resident_in_files(results) if results else held
+    if not results:
+        return held
+    shared, kept = _mapped_files(results)
+    return held - shared + kept
 
 
-def _resident_in_files(prefix: str) -> int:
-    """Resident bytes of this process's mappings of the files ``prefix*`` (unlinked since or not).
+# An argument's file, as the pool names them (nnh-<pid>-<pool>-a-<n>: run and submit, -m-: map items).
+_ARGUMENT_FILE = re.compile(r"nnh-\d+-\d+-[am]-\d+(?: \(deleted\))?$")
 
-    Files spilled elsewhere (no room in the shared-memory directory) are not shared memory: not counted above.
+
+def _mapped_files(results: str) -> tuple[int, int]:
+    """``(resident bytes of this worker's result files results*, bytes of the argument files it maps that no
+    page of it touched)``, unlinked since or not, in the shared-memory directory.
+
+    A task that keeps a view (``t[:10]``) of an argument keeps its whole file in shared memory, though the
+    resident set counts only the pages the worker touched. Files spilled elsewhere (no room in the
+    shared-memory directory) are not shared memory: counted neither way.
     """
-    prefix = os.path.join(os.path.realpath(os.path.dirname(prefix)), os.path.basename(prefix))  # as /proc shows it
+    directory = os.path.realpath(os.path.dirname(results)) + os.sep  # as /proc shows it
+    results = directory + os.path.basename(results)
+
+    def kind(path: str) -> str | None:
+        if path.startswith(results):
+            return "results"
+        if path.startswith(directory) and _ARGUMENT_FILE.match(path, len(directory)):
+            return "argument"
+        return None
+
     try:
         with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
-            if not any(line.split(maxsplit=5)[-1].startswith(prefix) for line in f):
-                return 0
-        total, counting = 0, False
+            if not any(directory in line and kind(line.split(maxsplit=5)[-1].rstrip("\n")) for line in f):
+                return 0, 0
+        shared, files, mapping = 0, {}, None
         with open("/proc/self/smaps") as f:
             for line in f:
                 if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
                     fields = line.split(maxsplit=5)
-                    counting = len(fields) == 6 and fields[5].startswith(prefix)
-                elif counting and line.startswith("Rss:"):
-                    total += int(line.split()[1]) << 10
-        return total
+                    found = kind(fields[5].rstrip("\n")) if len(fields) == 6 else None
+                    mapping = None if found is None else (found, fields[4])  # (kind, inode)
+                elif mapping is not None and line.startswith(("Size:", "Rss:")):
+                    size = int(line.split()[1]) << 10
+                    if mapping[0] == "results":
+                        shared += size if line[0] == "R" else 0
+                    else:  # per file: its size (the largest mapping of it), and its pages touched
+                        whole, touched = files.get(mapping[1], (0, 0))
+                        files[mapping[1]] = (max(whole, size), touched) if line[0] == "S" else (whole, touched + size)
+        return shared, sum(max(0, whole - touched) for whole, touched in files.values())
     except (OSError, ValueError):
-        return 0
+        return 0, 0
 
 
 def guard_against_bootstrap() -> None:
