@@ -10,7 +10,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,60 +24,78 @@ from . import data as D
 from . import metrics as M
 from .buffers import sync_buffers
 from .config import TrainingConfig
+from .context import StepContext
 from .parts import Parts
 from .sharding import is_sharded
+from .step import StepValues, ValidationStep
 from .uneven import even_batches
 
 
-def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
-    """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
-    module, loss_fn, metrics, precision = parts.module, parts.loss_fn, config.metrics, parts.precision
+def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
+              epoch: int | None = None) -> tuple[list, list[str]]:
+    """This rank's ``[loss_sum, count, value_sums...]`` over its real (unpadded) samples, and the values' names.
+
+    The validation step (the handler's ``validation_step``, else the built-in
+    loss and metrics) runs under ``torch.no_grad()`` on the models themselves.
+    """
+    step, values = validation_step(parts, config)
+    ctx = StepContext(parts.modules, parts.optimizers, parts.precision, parts.device, training=False)
+    ctx.epoch = parts.view.epoch if epoch is None else epoch
+    ctx.global_step = parts.view.global_step
     sync_buffers(parts, "NNHandler.evaluate")  # rank 0's running statistics, as in the exported model
-    was_training = module.training
-    module.eval()
+    modes = [(module, module.training) for module in parts.modules.values()]
+    for module, _ in modes:
+        module.eval()
     real = D.real_sample_count(loader)
-    losses, sizes = [], []
-    metric_values: list[list] = [[] for _ in metrics]
+    losses, sizes, columns = [], [], []
     seen = 0
     # A sharded model's forward is a collective: every rank runs it on every batch, padding included.
-    lockstep = is_sharded(module) and parts.in_group
+    lockstep = parts.in_group and any(is_sharded(m) for m in parts.modules.values())
     try:
-        # The unwrapped module: DDP's forward is not needed without
-        # gradients, and avoiding it keeps evaluation free of collectives.
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad():
             for batch in even_batches(loader) if lockstep else loader:
-                inputs, targets = B.split(B.move(batch, parts.device))
-                B.check_targets(inputs, targets, loss_fn, "validation")
-                n = B.size_of(inputs, targets)
+                batch = B.move(batch, parts.device)
+                n = B.sample_count(batch)
                 keep = n if real is None else min(n, real - seen)
                 seen += n
-                if keep <= 0 and not lockstep:
-                    break  # only DistributedSampler padding is left
+                if keep <= 0 and not lockstep and values.names is not None:
+                    break  # only DistributedSampler padding is left (a step that names its values ran once)
                 if 0 < keep < n:
                     # Cut before the forward: a model's own loss then covers the real samples only.
-                    inputs, targets = B.cut(inputs, targets, keep)
-                outputs = precision.convert_output(B.call(module, inputs))
+                    batch = B.head(batch, keep)
+                loss, returned = values.read(step(ctx, batch))
                 if keep <= 0:
                     continue
-                losses.append(B.loss_of(outputs, targets, loss_fn).detach())
+                losses.append(loss)
                 sizes.append(keep)
-                for values, fn in zip(metric_values, metrics.values()):
-                    values.append(fn(outputs, targets))
+                columns = columns or [[] for _ in returned]
+                for column, value in zip(columns, returned):
+                    column.append(value)
     finally:
-        module.train(was_training)
+        for module, was_training in modes:
+            module.train(was_training)
+    names = list(values.names or [])
     if not losses:
-        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(metrics)
-    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, metric_values)
+        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(names), names
+    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, columns), names
+
+
+def validation_step(parts: Parts, config: TrainingConfig) -> tuple[Callable, StepValues]:
+    """The validation step of ``parts`` (the built-in one unless the handler was given one), and its reader."""
+    if parts.validation_step is not None:
+        return parts.validation_step, StepValues("validation_step")
+    return ValidationStep(parts.loss_fn, config.metrics, parts.precision), StepValues("the step", list(config.metrics))
 
 
 def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[str, float]:
-    """``{"loss": ..., "<metric>": ...}`` over ``loader``, identical on every rank."""
+    """``{"loss": ..., "<name>": ...}`` over ``loader``, identical on every rank."""
     check_collective_allowed("NNHandler.evaluate")  # its sums meet in an all_reduce, a sharded forward is one
     D.check_not_empty(loader, "evaluation")
-    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, loader), [], parts.device, parts.distributed)
+    sums, names = eval_sums(parts, config, loader)
+    totals, _ = M.reduce_over_ranks(sums, [], parts.device, parts.distributed)
     if totals[1] == 0:
         raise ConfigurationError("evaluate(): the data yielded no samples")
-    return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, config.metrics).items()}
+    return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, names).items()}
 
 
 def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:

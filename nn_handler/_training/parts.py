@@ -45,6 +45,27 @@ class Parts:
     world_size: int
     precision: Precision  # the autocast dtype, asked by the step, evaluation and sharding
     strategy: str = "ddp"  # "fsdp": sharded model (in a group) and sharded checkpoint directories
+    training_step: Callable | None = None  # fn(ctx, batch); None: the built-in step (loss_fn, metrics)
+    validation_step: Callable | None = None
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """The models as trained, by name."""
+        return {"model": self.model}
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        """The models themselves (unwrapped), by name."""
+        return {"model": self.module}
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {} if self.optimizer is None else {"optimizer": self.optimizer}
+
+    @property
+    def schedulers(self) -> dict[str, Any]:
+        """The schedulers by the name of their optimizer."""
+        return {} if self.scheduler is None else {"optimizer": self.scheduler}
 
     @property
     def in_group(self) -> bool:

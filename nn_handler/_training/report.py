@@ -67,8 +67,9 @@ def validate_at_step(parts: Parts, config: TrainingConfig, state: TrainingState,
     global step). A row of a part-way epoch that this run continues is out
     of date once training went on, so it goes first.
     """
-    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, parts.val_loader), [], parts.device, parts.distributed)
-    logs = M.means("val_", totals, config.metrics)
+    sums, names = eval_sums(parts, config, parts.val_loader, epoch)
+    totals, _ = M.reduce_over_ranks(sums, [], parts.device, parts.distributed)
+    logs = M.means("val_", totals, names)
     state.drop_partial_row()
     row = {"epoch": epoch, "step": state.global_step, **logs, "lr": parts.optimizer.param_groups[0]["lr"]}
     state.history.append(row)

@@ -36,6 +36,7 @@ NOT_IN_A_WORKER = {
     "nn_handler._training.parts",
     "nn_handler._training.data",
     "nn_handler._training.step",
+    "nn_handler._training.context",
     "nn_handler._training.loop",
     "nn_handler._training.metrics",
     "nn_handler._training.evaluation",
