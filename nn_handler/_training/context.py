@@ -14,7 +14,7 @@ models' gradient synchronisation off the group's last micro-batch, update
 the fp16 scaler once per training step (after every optimizer that stepped,
 as torch's recipe for several optimizers asks) and count the step.
 
-Public as :class:`nn_handler.StepContext`; built by the handler, not by hand.
+Public as :class:`nn_handler.StepContext`; the handler builds it.
 """
 
 from __future__ import annotations
@@ -66,6 +66,25 @@ class StepContext:
         is_last_micro_batch: True when this micro-batch ends its accumulation
             group: :meth:`step` steps now (always, with ``grad_accum_steps=1``).
         training: False in ``validation_step``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from nn_handler import NNHandler
+        >>> def two_views(ctx, batch):       # one model, two forward calls, one loss
+        ...     x, y = batch
+        ...     with ctx.autocast():
+        ...         loss = nn.functional.mse_loss(ctx.model(x) + ctx.model(-x), y)
+        ...     ctx.backward(loss)
+        ...     ctx.step()
+        ...     return loss
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> handler = NNHandler(nn.Linear(3, 1), torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+        ...                     training_step=two_views)
+        >>> handler.set_train_loader((torch.randn(32, 3), torch.randn(32, 1)), batch_size=8)
+        >>> len(handler.train(2, progress=False)["train_loss"]), handler.global_step
+        (2, 8)
     """
 
     def __init__(self, models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer],
@@ -92,8 +111,8 @@ class StepContext:
     def model(self) -> nn.Module:
         """The model, when there is one (as trained); with several, :attr:`models` by name."""
         if self._model is None:
-            raise ConfigurationError(f"ctx.model: this handler has {len(self.models)} models "
-                                     f"({', '.join(map(repr, self.models))}); use ctx.models[name]")
+            raise AttributeError(f"ctx.model: this handler has {len(self.models)} models "
+                                 f"({', '.join(map(repr, self.models))}); use ctx.models[name]")
         return self._model
 
     def autocast(self):

@@ -25,7 +25,7 @@ from . import metrics as M
 from .buffers import sync_buffers
 from .config import TrainingConfig
 from .context import StepContext
-from .parts import Parts
+from .parts import Parts, builtin_validation
 from .sharding import is_sharded
 from .step import StepValues, ValidationStep
 from .uneven import even_batches
@@ -81,10 +81,20 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
 
 
 def validation_step(parts: Parts, config: TrainingConfig) -> tuple[Callable, StepValues]:
-    """The validation step of ``parts`` (the built-in one unless the handler was given one), and its reader."""
-    if parts.validation_step is not None:
-        return parts.validation_step, StepValues("validation_step")
+    """The validation step (the handler's ``validation_step``, else the built-in one), and its reader.
+
+    Raises:
+        ConfigurationError: There is neither (a ``training_step`` without ``validation_step`` or ``loss_fn``).
+    """
+    if config.validation_step is not None:
+        return config.validation_step, StepValues("validation_step")
+    if not builtin_validation(config, parts.models, parts.loss_fn):
+        raise ConfigurationError(NO_VALIDATION)
     return ValidationStep(parts.loss_fn, config.metrics, parts.precision), StepValues("the step", list(config.metrics))
+
+
+NO_VALIDATION = ("no validation step: with training_step (or several models) pass validation_step=fn(ctx, batch), "
+                 "or, with one model, a loss_fn")
 
 
 def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[str, float]:
@@ -98,8 +108,8 @@ def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[s
     return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, names).items()}
 
 
-def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:
-    """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
+def predict(parts: Parts, module: nn.Module, loader: DataLoader) -> Any:
+    """``module``'s outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
 
     A tensor output gives one tensor; a mapping output (a Hugging Face ``ModelOutput``) the same kind
     of mapping of its batched tensors, each concatenated (scalars such as its loss left out).
@@ -107,7 +117,6 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
     real = D.real_sample_count(loader)
-    module = parts.module
     sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
@@ -168,9 +177,9 @@ def _as_kind(kind: type | None, local: Any) -> Any:
         return local
 
 
-def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch_size: int | None,
+def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size: int | None,
                           device_ids: Sequence[int | str] | None) -> torch.Tensor:
-    """:func:`~nn_handler.parallel_predict` over the unwrapped model, from a single process."""
+    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process."""
     if parts.in_group:
         raise ConfigurationError(
             "predict(data_parallel=True) starts one worker per device itself; call it from a single "
@@ -180,7 +189,7 @@ def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch
         batch_size = data.batch_size
     if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
-    return parallel_predict(InputsOnly(parts.module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
+    return parallel_predict(InputsOnly(module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
                             device_ids=device_ids, autocast=parts.precision.dtype or False)
 
 

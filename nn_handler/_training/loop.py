@@ -42,14 +42,14 @@ from . import data as D
 from . import metrics as M
 from . import uneven as U
 from .config import TrainingConfig
-from .evaluation import eval_sums
-from .parts import Parts
+from .evaluation import NO_VALIDATION, eval_sums
+from .parts import Parts, builtin_validation, check_frozen_at_wrap
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .readout import HostReads
 from .report import epoch_line, report_epoch, validate_at_step
 from .resume import save_run_checkpoint
-from .schedule import OptimizerSteps
+from .schedule import OptimizerSteps, learning_rates
 from .state import TrainingState
 from .step import MicroBatches, trained_models
 
@@ -104,8 +104,13 @@ class Loop:
         if limits.reached(state):
             log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
             return
+        check_frozen_at_wrap(parts)
         self.state.stop_training = False
         self.steps = OptimizerSteps(parts, state, self.config.scheduler_interval)  # refuses a bad interval first
+        self.validates = parts.val_loader is not None and (
+            self.config.validation_step is not None or builtin_validation(self.config, parts.models, parts.loss_fn))
+        if parts.val_loader is not None and not self.validates and parts.is_main_process:
+            log.warning("validation skipped: %s", NO_VALIDATION)
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
         try:
@@ -170,12 +175,12 @@ class Loop:
         sampler = getattr(parts.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(state.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
-        lr = parts.optimizer.param_groups[0]["lr"]
+        lrs = learning_rates(parts.optimizers)
         M.reset_peak_memory(parts.device)
         start = time.perf_counter()
         train = self._train_epoch(epoch, limits, progress, monitor)
         train_time = time.perf_counter() - start
-        validate = parts.val_loader is not None and epoch % validate_every == 0
+        validate = self.validates and epoch % validate_every == 0
         val, val_names = eval_sums(parts, config, parts.val_loader, epoch) if validate else ([], [])
         epoch_time = time.perf_counter() - start
 
@@ -201,7 +206,8 @@ class Loop:
             for cb in parts.callbacks:
                 cb.on_validation_end(parts.view, epoch, val_logs)
         slowest_train = max(v[0] for v in ranks)
-        row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
+        row.update(lrs)
+        row.update(epoch_time=max(v[1] for v in ranks),
                    samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
         row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
         state.drop_partial_row()  # the row of this epoch's first part, before a step or time limit stopped it
@@ -300,7 +306,7 @@ class Loop:
                     # After the whole step (update, hooks): a stop comes between
                     # two optimizer steps, never inside an accumulation group.
                     last = n_batches is not None and i + 1 == n_batches
-                    if (self.val_steps and state.global_step % self.val_steps == 0 and parts.val_loader is not None
+                    if (self.val_steps and state.global_step % self.val_steps == 0 and self.validates
                             and not (last and epoch % self.validate_every == 0)):  # not twice at the epoch's end
                         validate_at_step(parts, config, state, epoch)
                     if monitor is not None:

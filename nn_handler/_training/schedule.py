@@ -87,6 +87,19 @@ def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.opt
     return scheduler
 
 
+def learning_rates(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, float]:
+    """The History's ``lr`` (the first parameter group's), or with several optimizers ``lr_<name>`` of each.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> learning_rates({"optimizer": opt}), learning_rates({"G": opt, "D": opt})
+        ({'lr': 0.1}, {'lr_G': 0.1, 'lr_D': 0.1})
+    """
+    if len(optimizers) == 1:
+        return {"lr": next(iter(optimizers.values())).param_groups[0]["lr"]}
+    return {f"lr_{name}": optimizer.param_groups[0]["lr"] for name, optimizer in optimizers.items()}
+
+
 def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) -> None:
     """The scheduler's step at the end of a completed epoch, when it steps per epoch."""
     if interval != "epoch":

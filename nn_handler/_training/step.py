@@ -185,8 +185,8 @@ class MicroBatches:
                           accumulate=config.grad_accum_steps, clip_grad_norm=config.clip_grad_norm, hooks=hooks,
                           check_each_step=check_each_step)
         ctx.epoch = epoch
-        if parts.training_step is not None:
-            return cls(parts.training_step, ctx, StepValues("training_step"), state)
+        if config.training_step is not None:
+            return cls(config.training_step, ctx, StepValues("training_step"), state)
         return cls(TrainingStep(parts.loss_fn, config.metrics), ctx, StepValues("the step", list(config.metrics)),
                    state)
 

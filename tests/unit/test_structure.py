@@ -325,7 +325,7 @@ PUBLIC_NAMES = {
         "unwrap_parallel_model", "setup_parallel_model", "parallelize_if_available", "get_device_count",
         "is_parallel_available", "get_gpu_memory_info", "print_gpu_memory_info", "get_gpu_stats",
         "get_recommended_batch_size", "dispatch_model", "plan_device_map", "parallel_predict",
-        "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "History", "Callback",
+        "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "StepContext", "History", "Callback",
         "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TensorBoardLogger", "NonFiniteLossError", "CheckpointError",
         "CheckpointMismatchError", "MissingExtraError", "TrainingPreempted", "PREEMPTED_EXIT_CODE",
         "seed_everything",
