@@ -68,18 +68,22 @@ def gan_validation(ctx, batch):
     return {"loss": loss_d, "d_real": torch.sigmoid(ctx.models["D"](real)).mean()}
 
 
-def make_handler(amp=False, batch_size: int = 8, n: int = 64, **kwargs):
+def make_handler(amp=False, batch_size: int = 8, n: int = 64, step=gan_step, **kwargs):
     from nn_handler import NNHandler
 
     G, D = make_models()
-    handler = NNHandler({"G": G, "D": D}, make_optimizers(G, D), training_step=gan_step, amp=amp, device="cpu",
+    handler = NNHandler({"G": G, "D": D}, make_optimizers(G, D), training_step=step, amp=amp, device="cpu",
                         **kwargs)
     handler.set_train_loader(make_data(n), batch_size=batch_size, shuffle=False)
     return handler
 
 
-def reference(amp=False, epochs: int = 2, batch_size: int = 8, n: int = 64, world_size: int = 1):
-    """The hand-written loop: ``(G, D, History-like {"train_loss", "train_d", "train_g"} per epoch)``."""
+def reference(amp=False, epochs: int = 2, batch_size: int = 8, n: int = 64, world_size: int = 1, accum: int = 1):
+    """The hand-written loop: ``(G, D, History-like {"train_loss", "train_d", "train_g"} per epoch)``.
+
+    With ``accum`` > 1, as a hand-written loop accumulates: every gradient zeroed at a group's start, each loss
+    divided by ``accum``, each optimizer stepped after its loss's backward on the group's last micro-batch.
+    """
     G, D = make_models()
     opts = make_optimizers(G, D)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
@@ -87,24 +91,32 @@ def reference(amp=False, epochs: int = 2, batch_size: int = 8, n: int = 64, worl
     autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else contextlib.nullcontext
     real_all, z_all = make_data(n)
     step = batch_size * world_size
+
+    def backward_and_step(loss, name, last):
+        loss = loss / accum if accum > 1 else loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        if last:
+            scaler.step(opts[name]) if scaler else opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+
     history = {"train_loss": [], "train_d": [], "train_g": []}
     for _ in range(epochs):
         sums, count = torch.zeros(3, dtype=torch.float64), 0
-        for i in range(0, n, step):
-            real, z = real_all[i:i + step], z_all[i:i + step]
+        for i, start in enumerate(range(0, n, step)):
+            real, z = real_all[start:start + step], z_all[start:start + step]
+            if i % accum == 0:
+                opts["D"].zero_grad(set_to_none=True)
+                opts["G"].zero_grad(set_to_none=True)
+            last = (i + 1) % accum == 0 or start + step >= n
             ones = torch.ones(real.size(0), 1)
-            opts["D"].zero_grad(set_to_none=True)
-            opts["G"].zero_grad(set_to_none=True)
             with autocast():
                 fake = G(z)
                 loss_d = _bce(D(real), ones) + _bce(D(fake.detach()), torch.zeros_like(ones))
-            (scaler.scale(loss_d) if scaler else loss_d).backward()
-            scaler.step(opts["D"]) if scaler else opts["D"].step()
+            backward_and_step(loss_d, "D", last)
             with autocast():
                 loss_g = _bce(D(fake), ones)
-            (scaler.scale(loss_g) if scaler else loss_g).backward()
-            scaler.step(opts["G"]) if scaler else opts["G"].step()
-            if scaler:
+            backward_and_step(loss_g, "G", last)
+            if scaler and last:
                 scaler.update()
             values = torch.stack([loss_d + loss_g, loss_d, loss_g]).detach().to(torch.float64)
             sums += values * real.size(0)
