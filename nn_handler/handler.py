@@ -549,11 +549,12 @@ class NNHandler:
 
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
+        With several models it holds ``{name: state_dict}``: ``G.load_state_dict(torch.load(path)["G"])``.
         """
         R.export_model(self._parts(), path)
 
     def load_model(self, path: str | os.PathLike) -> None:
-        """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
+        """Load weights saved by :meth:`save_model` (by name, with several models), or a checkpoint's.
 
         Raises:
             CheckpointError: A missing, corrupt or truncated file.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils._stall import watching
@@ -70,6 +71,7 @@ class StepContext:
     Example:
         >>> import torch
         >>> from torch import nn
+from torch.nn.parallel import DistributedDataParallel
         >>> from nn_handler import NNHandler
         >>> def two_views(ctx, batch):       # one model, two forward calls, one loss
         ...     x, y = batch
@@ -100,12 +102,14 @@ class StepContext:
         self._model = next(iter(self.models.values())) if len(self.models) == 1 else None
         self._only = next(iter(self.optimizers.items())) if len(self.optimizers) == 1 else None
         self._unscale = scaler is not None and (clip_grad_norm is not None or bool(hooks and hooks.before))
+        self._ddp = any(isinstance(m, DistributedDataParallel) for m in self.models.values())
         # Set by the loop for each micro-batch: its index in the epoch (for a
         # non-finite loss), the optimizers asked to step (to step them when an
         # unsized loader ends inside a group), whether the fp16 scaler stepped.
         self._batch_index = 0
         self._asked: list[str] = []
-        self._scaler_stepped = False
+        self._scaler_stepped: set[str] = set()  # the optimizers the fp16 scaler stepped since its update()
+        self._retained = False  # a backward of this micro-batch kept its graph (retain_graph=True)
 
     @property
     def model(self) -> nn.Module:
@@ -129,13 +133,22 @@ class StepContext:
 
         Args:
             loss: A scalar tensor (each backward of a step may have its own).
-            retain_graph: As ``Tensor.backward``'s: keep the graph for a second backward through it.
+            retain_graph: As ``Tensor.backward``'s: keep the graph for a second backward through it (refused
+                under DDP, which averages a model's gradients once per forward: add the losses instead).
         """
         if not self.training:
             self._refuse_in_validation("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigurationError(f"ctx.backward needs a scalar tensor (the loss, mean over the batch), got "
                                      f"{_shape_or_type(loss)}")
+        if self._retained and self._ddp:
+            # DDP averages a model's gradients once per forward: a second backward through the same forward
+            # would add this rank's gradients alone, and the ranks would train apart without a word.
+            raise ConfigurationError(
+                "ctx.backward after a ctx.backward(..., retain_graph=True): under DDP a second backward through "
+                "the same forward is not averaged over the ranks; add the losses and call ctx.backward once "
+                "(ctx.backward(loss + penalty))")
+        self._retained = self._retained or bool(retain_graph)
         # .item(): on the CPU a plain read, a tenth of the cost of bool(torch.isfinite(loss)).
         if self._check_each_step and not math.isfinite(value := loss.item()):
             raise NonFiniteLossError(self.epoch, self._batch_index, value)
@@ -180,6 +193,9 @@ class StepContext:
     def _take_step(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step of :meth:`step`, unconditionally (the loop's, for a group an unsized loader ended)."""
         n = self.global_step + 1
+        if name in self._scaler_stepped:  # stepped again in one training step (a critic's inner loop)
+            self._scaler.update()  # the scaler's state for this optimizer starts anew
+            self._scaler_stepped.clear()
         if self._unscale:
             self._scaler.unscale_(optimizer)  # clip (and show the hooks) the true gradients, not the scaled ones
         if self._clip is not None:
@@ -191,7 +207,7 @@ class StepContext:
             hooks.before_step(n)
         if self._scaler is not None:
             self._scaler.step(optimizer)  # skips the update on inf/NaN gradients
-            self._scaler_stepped = True
+            self._scaler_stepped.add(name)
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -202,6 +202,7 @@ class MicroBatches:
             self._starts_group = False
         ctx._batch_index, ctx.is_last_micro_batch, ctx.global_step = index, ends_group, self.state.global_step
         ctx._asked.clear()
+        ctx._retained = False
         if pause_sync and not ends_group and self._pausable:
             with contextlib.ExitStack() as paused:
                 for model in self._pausable:
@@ -223,7 +224,7 @@ class MicroBatches:
                 ctx._take_step(name, ctx.optimizers[name])
         if ctx._scaler_stepped:
             ctx._scaler.update()  # once per training step, after every optimizer that stepped
-            ctx._scaler_stepped = False
+            ctx._scaler_stepped.clear()
         self.state.global_step = ctx.global_step + 1
         self._starts_group = True
         return self.state.global_step

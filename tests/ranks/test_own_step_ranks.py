@@ -52,6 +52,8 @@ def _ranks(rank, root):
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    from nn_handler import ConfigurationError
+
     root, out = Path(root), {}
     ddp = gan.make_handler(batch_size=PER_RANK, n=N)
     out["ddp_wrappers"] = sorted(type(m).__name__ for m in ddp._models.trained.values())
@@ -79,7 +81,23 @@ def _ranks(rank, root):
     out["fsdp_resumed"], out["fsdp_resumed_history"] = _full(resumed), resumed.history.state_dict()
     for handler in (fsdp, stopped, resumed):
         handler.close()
+
+    twice = gan.make_handler(batch_size=PER_RANK, n=N, step=_two_passes_through_one_forward)
+    try:
+        twice.train(1, progress=False)
+    except ConfigurationError as exc:
+        out["two_passes"] = (str(exc), twice.global_step)
+    twice.close()
     return out
+
+
+def _two_passes_through_one_forward(ctx, batch):
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    ctx.backward(loss, retain_graph=True)
+    ctx.backward(0.1 * loss)  # DDP would not average this one: refused
+    ctx.step("D")
+    return loss
 
 
 def test_a_gan_trains_on_2_ranks_as_one_process_on_the_global_batch_under_ddp_and_fsdp(tmp_path):
@@ -97,6 +115,9 @@ def test_a_gan_trains_on_2_ranks_as_one_process_on_the_global_batch_under_ddp_an
         # 4 groups of 2 micro-batches: G's gradients are averaged once a group, D's twice (D's loss and G's
         # loss both reach it); the first micro-batch of each group keeps them on its rank (no_sync).
         assert got["all_reduces"] == {"G": 4, "D": 8}
+        message, steps = got["two_passes"]
+        assert steps == 0 and message.startswith("ctx.backward after a ctx.backward(..., retain_graph=True): under "
+                                                 "DDP a second backward through the same forward is not averaged")
     # The resumed run's history of the part-way epoch is the straight run's (no row of the part is left).
     assert results[0]["fsdp_resumed_history"]["epoch"] == [1, 2]
     torch.testing.assert_close(results[0]["ddp"], results[1]["ddp"], rtol=0, atol=0)  # the ranks agree

@@ -378,3 +378,28 @@ def test_the_step_context_is_public_and_typed():
     cpu, names = torch.device("cpu"), ["G", "D"]
     assert seen == [(StepContext, names, names, cpu, epoch, epoch - 1, last, True)
                     for epoch in (1, 2) for last in (False, True)]
+
+
+def _critic_twice(ctx, batch):
+    """A WGAN-style step: the critic stepped twice per generator step (its inner loop)."""
+    real, z = batch
+    G, D = ctx.models["G"], ctx.models["D"]
+    for _ in range(2):
+        with ctx.autocast():
+            loss_d = D(G(z).detach()).mean() - D(real).mean()
+        ctx.backward(loss_d)
+        ctx.step("D")
+    with ctx.autocast():
+        loss_g = -D(G(z)).mean()
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return loss_d + loss_g
+
+
+def test_an_optimizer_stepped_twice_in_one_step_under_fp16():
+    hooks = _Hooks()
+    handler = _gan_handler(_critic_twice, amp="fp16", callbacks=[hooks])  # torch's scaler refuses 2 steps per update
+    handler.train(1, progress=False)
+    assert handler.global_step == 2
+    assert [c for c in hooks.calls if c[0] == "after"] == [("after", n, n) for n in (1, 1, 1, 2, 2, 2)]
+    assert torch.isfinite(gan.flat(handler.models["G"], handler.models["D"])).all()
