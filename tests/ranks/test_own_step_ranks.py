@@ -17,7 +17,7 @@ from nn_handler.testing import run_distributed
 from scripts import gan_case as gan
 
 TIMEOUT = 200
-PER_RANK, N, EPOCHS = 4, 64, 2  # 8 steps an epoch: 2 ranks of 4 are the global batch of 8
+PER_RANK, N, EPOCHS = 4, 32, 2  # 4 steps an epoch: 2 ranks of 4 are the global batch of 8
 TOL = {"rtol": 0, "atol": 1e-5}
 
 
@@ -60,7 +60,7 @@ def _ranks(rank, root):
     assert all(isinstance(m, DistributedDataParallel) for m in ddp._models.trained.values())
     ddp.train(EPOCHS, progress=False)
     out["ddp"], out["ddp_history"] = _full(ddp), ddp.history.state_dict()
-    ddp.close()
+    ddp.save_checkpoint(root / "ddp.ckpt")  # one file, the models and optimizers by name
 
     counts: dict[str, int] = {}
     accum = gan.make_handler(batch_size=PER_RANK, n=N, grad_accum_steps=2, step=_counting_all_reduces(counts))
@@ -74,12 +74,18 @@ def _ranks(rank, root):
     out["fsdp"], out["fsdp_history"] = _full(fsdp), fsdp.history.state_dict()
     fsdp.export_model(root / "models.pt")
     stopped = gan.make_handler(batch_size=PER_RANK, n=N, strategy="fsdp", checkpoint_dir=root / "stopped")
-    stopped.train(EPOCHS, max_steps=5, progress=False)  # a sharded checkpoint 5 batches into epoch 1
+    stopped.train(EPOCHS, max_steps=5, progress=False)  # a sharded checkpoint 1 batch into epoch 2
     resumed = gan.make_handler(batch_size=PER_RANK, n=N, strategy="fsdp", checkpoint_dir=root / "stopped",
                                resume="auto")
     resumed.train(EPOCHS, progress=False)
     out["fsdp_resumed"], out["fsdp_resumed_history"] = _full(resumed), resumed.history.state_dict()
-    for handler in (fsdp, stopped, resumed):
+    # The DDP run's file resumes an FSDP run: each rank takes its shards of both models and both optimizers.
+    crossed = gan.make_handler(batch_size=PER_RANK, n=N, strategy="fsdp")
+    crossed.load_checkpoint(root / "ddp.ckpt")
+    for handler in (crossed, ddp):
+        handler.train(EPOCHS + 1, progress=False)
+    out["crossed"], out["continued"] = _full(crossed), _full(ddp)
+    for handler in (ddp, fsdp, stopped, resumed, crossed):
         handler.close()
 
     twice = gan.make_handler(batch_size=PER_RANK, n=N, step=_two_passes_through_one_forward)
@@ -112,9 +118,10 @@ def test_a_gan_trains_on_2_ranks_as_one_process_on_the_global_batch_under_ddp_an
                 torch.testing.assert_close(torch.tensor(got[f"{kind}_history"][key]), torch.tensor(want[key]),
                                            **TOL, msg=f"rank {rank}, {kind}, {key}")
         torch.testing.assert_close(got["accum"], gan.flat(G1, D1), **TOL, msg=f"rank {rank}, accumulation")
-        # 4 groups of 2 micro-batches: G's gradients are averaged once a group, D's twice (D's loss and G's
+        # 2 groups of 2 micro-batches: G's gradients are averaged once a group, D's twice (D's loss and G's
         # loss both reach it); the first micro-batch of each group keeps them on its rank (no_sync).
-        assert got["all_reduces"] == {"G": 4, "D": 8}
+        assert got["all_reduces"] == {"G": 2, "D": 4}
+        torch.testing.assert_close(got["crossed"], got["continued"], **TOL, msg=f"rank {rank}, DDP file into FSDP")
         message, steps = got["two_passes"]
         assert steps == 0 and message.startswith("ctx.backward after a ctx.backward(..., retain_graph=True): under "
                                                  "DDP a second backward through the same forward is not averaged")
