@@ -71,7 +71,6 @@ class StepContext:
     Example:
         >>> import torch
         >>> from torch import nn
-from torch.nn.parallel import DistributedDataParallel
         >>> from nn_handler import NNHandler
         >>> def two_views(ctx, batch):       # one model, two forward calls, one loss
         ...     x, y = batch
