@@ -45,7 +45,7 @@ from ._training import resume as R
 from ._training.config import Resume, TrainingConfig, check_for_device, config_property
 from ._training.loop import Limits, Loop
 from ._training.context import StepContext
-from ._training.parts import Models, Parts, check_steps, wrap_model
+from ._training.parts import Models, Parts, check_ready, check_steps, wrap_model
 from ._training.precision import Precision
 from ._training.sharded_checkpoint import check_every_rank_runs
 from ._training.state import TrainingState, state_property
@@ -292,13 +292,40 @@ class NNHandler:
     strategy = config_property("strategy")
     scheduler_interval = config_property("scheduler_interval")
 
-    model = property(lambda self: self._models.one("model"), doc="The model as trained (DDP-wrapped, sharded).")
-    module = property(lambda self: unwrap_parallel_model(self.model), doc="The model without its DDP wrapper.")
-    models = property(lambda self: self._models.modules, doc="The models by name, unwrapped.")
-    optimizer = property(lambda self: self._models.one("optimizer"), doc="The optimizer (None before one is set).")
-    optimizers = property(lambda self: dict(self._models.optimizers), doc="The optimizers by name.")
-    scheduler = property(lambda self: self._models.one("scheduler"), doc="The LR scheduler, or None.")
-    schedulers = property(lambda self: dict(self._models.schedulers), doc="The schedulers by optimizer name.")
+    @property
+    def model(self) -> nn.Module:
+        """The model as trained (DDP-wrapped, sharded); with several, an ``AttributeError`` naming them."""
+        return self._models.one("model")
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return unwrap_parallel_model(self.model)
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """The models by name, unwrapped."""
+        return self._models.modules
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer (None before one is set)."""
+        return self._models.one("optimizer")
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers by name."""
+        return dict(self._models.optimizers)
+
+    @property
+    def scheduler(self) -> Any:
+        """The LR scheduler, or None."""
+        return self._models.one("scheduler")
+
+    @property
+    def schedulers(self) -> dict[str, Any]:
+        """The schedulers by the name of their optimizer."""
+        return dict(self._models.schedulers)
 
     @property
     def is_main_process(self) -> bool:
@@ -358,26 +385,6 @@ class NNHandler:
         """Validation data, as :meth:`set_train_loader` (not shuffled); every sample counts exactly once."""
         self.val_loader = self._make_loader(data, loader_kwargs, shuffle=False)
 
-    def _check_ready(self) -> None:
-        if self._closed and self.distributed:
-            # Without its DDP wrapper the model would train on each rank alone, silently.
-            raise ConfigurationError("this handler was closed (its DDP model and process group are released); "
-                                     "build a new NNHandler to train again")
-        if self.train_loader is None:
-            raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
-        if not self._models.trainable():
-            what = ", ".join(type(m).__name__ for m in self._models.modules.values())
-            raise ConfigurationError(f"{what} {'has' if len(self._models.trained) == 1 else 'have'} no trainable "
-                                     f"parameters, so there is nothing to train")
-        if not self._models.optimizers:
-            raise ConfigurationError(
-                "no optimizer: pass optimizer= (an instance, or a class with optimizer_kwargs) "
-                "or call set_optimizer() before train()"
-            )
-        D.check_not_empty(self.train_loader, "training")
-        if self.val_loader is not None:
-            D.check_not_empty(self.val_loader, "validation")
-
     # ------------------------------------------------------------------ training
 
     def train(self, epochs: int | None = None, *, max_steps: int | None = None, max_time: float | None = None,
@@ -428,8 +435,8 @@ class NNHandler:
         limits = Limits.checked(epochs, max_steps, max_time)
         validate_every = check_int("validate_every", validate_every, minimum=1)
         check_int("validate_every_n_steps", validate_every_n_steps, minimum=1, allow_none=True)
-        self._check_ready()
         parts, state = self._parts(), self._state
+        check_ready(parts, closed=self._closed)
         check_every_rank_runs(parts, "NNHandler.train")  # refused at once inside on_rank
         if state.start_pending:
             R.start_run(parts, self.config, state)

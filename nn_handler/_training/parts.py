@@ -29,6 +29,7 @@ from ..errors import ConfigurationError
 from ..utils.ddp import is_distributed
 from ..utils.parallel import MultiGPUConfig, prepare_model, unwrap_parallel_model
 from .config import TrainingConfig
+from .data import check_not_empty
 from .precision import Precision
 from .schedule import build_scheduler
 from .sharding import is_sharded, shard_model
@@ -217,9 +218,6 @@ class Models:
             name = next((n for n, o in self.optimizers.items() if o is owner), next(iter(self.optimizers), None))
         self.schedulers = {name: build_scheduler(scheduler, dict(kwargs), self.optimizers.get(name), self.interval)}
 
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for module in self.modules.values() for p in module.parameters() if p.requires_grad]
-
     def _build(self, factory: Callable) -> torch.optim.Optimizer:
         module = next(iter(self.modules.values()))
         params = [p for p in module.parameters() if p.requires_grad]
@@ -285,6 +283,26 @@ def _named_modules(models: Any) -> dict[str, nn.Module]:
                 raise ConfigurationError(f"models {other!r} and {name!r} share parameters: each model is wrapped "
                                          f"on its own (one DDP per model), so put shared layers in one model")
     return named
+
+
+def check_ready(parts: Parts, closed: bool) -> None:
+    """What ``train()`` needs before it starts: an open handler, data, trainable parameters, an optimizer."""
+    if closed and parts.distributed:
+        # Without its DDP wrapper the model would train on each rank alone, silently.
+        raise ConfigurationError("this handler was closed (its DDP model and process group are released); "
+                                 "build a new NNHandler to train again")
+    if parts.train_loader is None:
+        raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
+    if not any(p.requires_grad for m in parts.modules.values() for p in m.parameters()):
+        what = ", ".join(type(m).__name__ for m in parts.modules.values())
+        raise ConfigurationError(f"{what} {'has' if len(parts.models) == 1 else 'have'} no trainable parameters, "
+                                 f"so there is nothing to train")
+    if not parts.optimizers:
+        raise ConfigurationError("no optimizer: pass optimizer= (an instance, or a class with optimizer_kwargs) "
+                                 "or call set_optimizer() before train()")
+    check_not_empty(parts.train_loader, "training")
+    if parts.val_loader is not None:
+        check_not_empty(parts.val_loader, "validation")
 
 
 def check_steps(config: TrainingConfig, models: Models, loss_fn: Callable | None) -> None:
