@@ -260,15 +260,14 @@ class NNHandler:
             self.add_callback(cb)
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
-        self.loss_fn: Callable | None = None
-        self._models = Models(lambda m: wrap_model(m, self.config, self.device, self.precision, self._parallel,
-                                                   self.distributed), self.config.scheduler_interval)
-        self._models.set_models(model, optimizer, optimizer_kwargs)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.loss_fn = loss_fn
+        self.loss_fn: Callable | None = loss_fn
+        self._models = Models(lambda m: wrap_model(m, self.config, self.device, self.precision, self._parallel,
+                                                   self.distributed), self.config.scheduler_interval,
+                              check=lambda models: check_steps(self.config, models, self.loss_fn))
+        self._models.set_models(model, optimizer, optimizer_kwargs)
         self._models.set_schedulers(scheduler, dict(scheduler_kwargs or {}))
-        check_steps(self.config, self._models, self.loss_fn)
         if self.distributed:
             lifetime.track_for_exit(self)
 
@@ -339,7 +338,6 @@ class NNHandler:
         optimizer instance must be replaced with :meth:`set_optimizer`.
         """
         self._models.set_models(model)
-        check_steps(self.config, self._models, self.loss_fn)
 
     def set_optimizer(self, optimizer: Any, **optimizer_kwargs: Any) -> None:
         """Use an optimizer instance, a mapping name -> instance, or one built from a class and ``optimizer_kwargs``.
@@ -352,7 +350,6 @@ class NNHandler:
             'Adam'
         """
         self._models.set_optimizers(optimizer, optimizer_kwargs)
-        check_steps(self.config, self._models, self.loss_fn)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
         """Use ``loss_fn(outputs, targets) -> scalar tensor``."""

@@ -15,6 +15,7 @@ directly would average none of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -115,10 +116,13 @@ class Models:
     Args:
         wrap: Makes a model what is trained (moved, compiled, DDP-wrapped or sharded): :func:`wrap_model`'s.
         interval: ``scheduler_interval`` (a per-step ``ReduceLROnPlateau`` is refused as it is set).
+        check: Called after models or optimizers are set (:func:`check_steps`); when it (or any check)
+            refuses them, the models and optimizers there were are kept.
     """
 
-    def __init__(self, wrap: Callable[[nn.Module], nn.Module], interval: str | None = None):
-        self.wrap, self.interval = wrap, interval
+    def __init__(self, wrap: Callable[[nn.Module], nn.Module], interval: str | None = None,
+                 check: Callable[["Models"], None] | None = None):
+        self.wrap, self.interval, self.check = wrap, interval, check
         self.trained: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
@@ -142,6 +146,10 @@ class Models:
         ``optimizer``: the optimizers to set with them (:meth:`set_optimizers`); an instance built over the
         models before they were sharded is moved onto their shards.
         """
+        with self._all_or_nothing():
+            self._set_models(models, optimizer, kwargs)
+
+    def _set_models(self, models: Any, optimizer: Any, kwargs: Mapping[str, Any] | None) -> None:
         named = _named_modules(models)
         before = {name: dict(unwrap_parallel_model(m).named_parameters()) for name, m in named.items()}
         self.trained = {name: self.wrap(module) for name, module in named.items()}
@@ -167,6 +175,21 @@ class Models:
 
         ``replaced``: ``id(parameter) -> (parameter, its shard)`` of models just sharded.
         """
+        with self._all_or_nothing():
+            self._set_optimizers(optimizer, kwargs, replaced)
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self):
+        before = self.trained, self.optimizers, self.schedulers, self._factory
+        try:
+            yield
+            if self.check is not None:
+                self.check(self)
+        except BaseException:
+            self.trained, self.optimizers, self.schedulers, self._factory = before
+            raise
+
+    def _set_optimizers(self, optimizer: Any, kwargs: Mapping[str, Any], replaced: dict | None) -> None:
         if isinstance(optimizer, (Mapping, torch.optim.Optimizer)):
             for o in optimizer.values() if isinstance(optimizer, Mapping) else [optimizer]:
                 _move_to_shards(o, replaced or {})

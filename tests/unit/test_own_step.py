@@ -403,3 +403,34 @@ def test_an_optimizer_stepped_twice_in_one_step_under_fp16():
     assert handler.global_step == 2
     assert [c for c in hooks.calls if c[0] == "after"] == [("after", n, n) for n in (1, 1, 1, 2, 2, 2)]
     assert torch.isfinite(gan.flat(handler.models["G"], handler.models["D"])).all()
+
+
+def test_a_refused_setting_leaves_the_handler_as_it_was():
+    model = nn.Linear(3, 1)
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1})
+    before = handler.optimizer
+    halves = {"weight": torch.optim.SGD([model.weight], lr=0.1), "bias": torch.optim.SGD([model.bias], lr=0.1)}
+    with pytest.raises(ConfigurationError, match=r"the built-in step steps one optimizer and this handler has 2"):
+        handler.set_optimizer(halves)
+    assert handler.optimizer is before and handler.optimizers == {"optimizer": before}
+    G, D = gan.make_models()
+    with pytest.raises(ConfigurationError, match=r"the built-in step trains one model and this handler has 2"):
+        handler.set_model({"G": G, "D": D})
+    assert handler.model is model
+
+
+def test_an_unsized_loader_ending_inside_a_group_steps_what_its_last_micro_batch_asked_for():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    real, z = gan.make_data(40)
+
+    class Unsized(IterableDataset):
+        def __iter__(self):
+            return iter(zip(real, z))
+
+    hooks = _Hooks()
+    handler = gan.make_handler(grad_accum_steps=2, callbacks=[hooks])
+    handler.set_train_loader(DataLoader(Unsized(), batch_size=8))  # 5 batches: groups of 2, 2 and 1
+    handler.train(1, progress=False)
+    assert handler.global_step == 3
+    assert [c for c in hooks.calls if c[0] == "after"] == [("after", n, n) for n in (1, 1, 2, 2, 3, 3)]
