@@ -10,6 +10,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -29,6 +30,8 @@ from .parts import Parts, builtin_validation
 from .sharding import is_sharded
 from .step import StepValues, ValidationStep
 from .uneven import even_batches
+
+log = logging.getLogger(__name__)
 
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
@@ -91,6 +94,17 @@ def validation_step(parts: Parts, config: TrainingConfig) -> tuple[Callable, Ste
     if not builtin_validation(config, parts.models, parts.loss_fn):
         raise ConfigurationError(NO_VALIDATION)
     return ValidationStep(parts.loss_fn, config.metrics, parts.precision), StepValues("the step", list(config.metrics))
+
+
+def validation_runs(parts: Parts, config: TrainingConfig) -> bool:
+    """True when ``train()`` validates: a validation loader and a validation step; without a step, one log line."""
+    if parts.val_loader is None:
+        return False
+    if config.validation_step is not None or builtin_validation(config, parts.models, parts.loss_fn):
+        return True
+    if parts.is_main_process:
+        log.warning("validation skipped: %s", NO_VALIDATION)
+    return False
 
 
 NO_VALIDATION = ("no validation step: with training_step (or several models) pass validation_step=fn(ctx, batch), "

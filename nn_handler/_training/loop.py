@@ -35,15 +35,15 @@ import torch.distributed as dist
 from .._checks import check_int, check_number
 from ..checkpoint import capture_rng_state
 from ..errors import ConfigurationError
-from ..utils._stall import new_wait, note_step, watch_collectives, watching
+from ..utils._stall import new_wait, note_step, watch_collectives
 from ..utils.ddp_decorators import any_rank
 from . import batches as B
 from . import data as D
 from . import metrics as M
 from . import uneven as U
 from .config import TrainingConfig
-from .evaluation import NO_VALIDATION, eval_sums
-from .parts import Parts, builtin_validation, check_frozen_at_wrap
+from .evaluation import eval_sums, validation_runs
+from .parts import Parts, check_frozen_at_wrap
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .readout import HostReads
@@ -107,10 +107,7 @@ class Loop:
         check_frozen_at_wrap(parts)
         self.state.stop_training = False
         self.steps = OptimizerSteps(parts, state, self.config.scheduler_interval)  # refuses a bad interval first
-        self.validates = parts.val_loader is not None and (
-            self.config.validation_step is not None or builtin_validation(self.config, parts.models, parts.loss_fn))
-        if parts.val_loader is not None and not self.validates and parts.is_main_process:
-            log.warning("validation skipped: %s", NO_VALIDATION)
+        self.validates = validation_runs(parts, self.config)
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
         try:
