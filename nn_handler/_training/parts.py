@@ -259,14 +259,15 @@ class Models:
             label = "the optimizer" if name == OPTIMIZER else f"optimizer {name!r}"
             if foreign and len(foreign) == len(params) and len(self.trained) == 1 and name == OPTIMIZER:
                 raise ConfigurationError(
-                    "the optimizer holds none of the model's parameters (was it built for another model, or "
-                    "before strategy='fsdp' sharded it?); "
+                    "the optimizer holds none of the model's parameters (was it built for another model, or did "
+                    "it step before strategy='fsdp' sharded the model?); "
                     "pass the optimizer class instead, e.g. optimizer=torch.optim.SGD, optimizer_kwargs={'lr': 0.1}")
             if foreign:
                 raise ConfigurationError(
                     f"{label} holds {len(foreign)} parameter(s) that belong to no model of this handler (was it "
-                    f"built for another model, or before strategy='fsdp' sharded it?): a parameter outside the "
-                    f"models is neither checkpointed nor averaged over DDP ranks; put it in one of the models")
+                    f"built for another model, or did it step before strategy='fsdp' sharded the models?): a "
+                    f"parameter outside the models is neither checkpointed nor averaged over DDP ranks; put it in "
+                    f"one of the models")
             for p in params:
                 other = held.setdefault(id(p), name)
                 if other != name:
