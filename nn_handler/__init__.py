@@ -50,6 +50,7 @@ _LAZY = {
     ".callbacks": ("Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint"),
     ".loggers": ("TensorBoardLogger",),
     ".handler": ("NNHandler",),
+    "._training.context": ("StepContext",),  # what a training_step gets; its home is the trainer's package
     ".history": ("History",),
     ".seeding": ("seed_everything",),
 }
@@ -71,6 +72,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ loads these
     from .callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
+    from ._training.context import StepContext
     from .handler import NNHandler
     from .history import History
     from .seeding import seed_everything
@@ -175,6 +177,7 @@ __all__ = [
     "validate_data_parallel_setup",
     # nn_handler.handler
     "NNHandler",
+    "StepContext",
     "History",
     "seed_everything",
     "Callback",

@@ -52,9 +52,11 @@ class TrainerView(Protocol):
     this one). The attributes are those documented on ``NNHandler``.
     """
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # with several models: handler.models (an AttributeError here)
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
+    models: dict[str, torch.nn.Module]  # by name, unwrapped
+    optimizers: dict[str, torch.optim.Optimizer]  # by name
     history: History
     epoch: int
     global_step: int

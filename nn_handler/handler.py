@@ -44,10 +44,10 @@ from ._training import evaluation, lifetime
 from ._training import resume as R
 from ._training.config import Resume, TrainingConfig, check_for_device, config_property
 from ._training.loop import Limits, Loop
-from ._training.parts import Parts, wrap_model
+from ._training.context import StepContext
+from ._training.parts import Models, Parts, check_ready, check_steps, wrap_model
 from ._training.precision import Precision
-from ._training.schedule import build_scheduler
-from ._training.sharded_checkpoint import check_every_rank_runs, load_model
+from ._training.sharded_checkpoint import check_every_rank_runs
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
 from .checkpoint import load_payload
@@ -75,17 +75,27 @@ class NNHandler:
     would report on the same data.
 
     Args:
-        model: The model (moved to ``device``; a wrapped model is unwrapped first).
-        optimizer: An optimizer instance, or an optimizer class (or any
-            ``callable(params, **optimizer_kwargs)``) to build over the model's parameters.
+        model: The model (moved to ``device``; a wrapped model is unwrapped first), or a mapping name -> model (a
+            dict or ``nn.ModuleDict``), each wrapped on its own (one DDP, or ``fully_shard``, per model).
+        optimizer: An optimizer instance, or an optimizer class (or any ``callable(params,
+            **optimizer_kwargs)``) to build over the model's parameters, or a mapping name -> optimizer instance.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor`` (mean over the batch); None: the output's own
             ``loss`` (a Hugging Face model given ``"labels"``). A mapping batch is called as ``model(**batch)``.
+            With ``training_step``, it serves the built-in validation only.
+        training_step: ``fn(ctx, batch)``, your own step in place of the built-in one, called once per
+            micro-batch with a :class:`~nn_handler.StepContext` (``ctx.backward``, ``ctx.step(name)``, ...); it
+            returns the loss or a mapping ``{"loss": ..., "k": ...}`` (History ``train_loss``, ``train_k``).
+            Needed with several models or optimizers (docs/training.md, "Your own training step").
+        validation_step: ``fn(ctx, batch)`` under ``torch.no_grad()``, returning as ``training_step`` does
+            (``val_loss``, ``val_k``). Without it, validation uses ``loss_fn`` on the one model (or, with
+            the built-in step, the model's own loss), or is skipped with a log line.
         device: ``"auto"`` (this rank's GPU, else CPU) or anything
             :func:`~nn_handler.resolve_device` accepts.
         use_distributed: ``None`` follows the launch environment, ``False``
             forces a single process, ``True`` asks for DDP (a warning says why not).
-        scheduler: An LR scheduler instance, or a class built with ``scheduler_kwargs``; stepped as
-            ``scheduler_interval`` says (``ReduceLROnPlateau`` per epoch, on ``val_loss``, else ``train_loss``).
+        scheduler: An LR scheduler instance, or a class built with ``scheduler_kwargs``, or a mapping by optimizer
+            name; stepped as ``scheduler_interval`` says (``ReduceLROnPlateau`` per epoch, on ``val_loss``, else
+            ``train_loss``).
         scheduler_interval: ``"epoch"`` (after each epoch), ``"step"`` (after each optimizer step, a step the fp16
             scaler skipped included) or None: ``"step"`` for ``OneCycleLR`` and ``CyclicLR``, else ``"epoch"``.
         metrics: ``{"name": fn(outputs, targets) -> float}``; recorded as
@@ -152,9 +162,11 @@ class NNHandler:
     Attributes:
         model: The model as trained (DDP-wrapped when distributed; under FSDP the module itself, sharded).
         module: The model itself, unwrapped (for saving and inspection).
+        models, optimizers, schedulers: By name (the models unwrapped); ``model``, ``module``, ``optimizer``
+            and ``scheduler`` are the one there is.
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).
-        global_step: Optimizer steps taken.
+        global_step: Training steps taken (optimizer steps: one per accumulation group, however many optimizers).
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
         config: The training knobs given to the constructor, validated (read-only; also readable as
@@ -166,7 +178,8 @@ class NNHandler:
             callables, an optimizer that holds none of the model's parameters,
             ``resume="auto"`` without a ``checkpoint_dir``, ``overwrite``
             without a ``checkpoint_dir`` or with ``resume="auto"``, an unknown ``strategy``, ``fsdp_wrap`` that
-            is not module classes, ``fsdp_*`` settings without ``strategy="fsdp"`` (or ``ddp_kwargs`` with it).
+            is not module classes, ``fsdp_*`` settings without ``strategy="fsdp"`` (or ``ddp_kwargs`` with it),
+            several models or optimizers without ``training_step``, ``loss_fn`` or ``metrics`` no step uses.
 
     Example:
         >>> from torch import nn
@@ -178,10 +191,12 @@ class NNHandler:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Mapping[str, nn.Module],
         optimizer: Any = None,
         loss_fn: Callable | None = None,
         *,
+        training_step: Callable[[StepContext, Any], Any] | None = None,
+        validation_step: Callable[[StepContext, Any], Any] | None = None,
         device: Any = "auto",
         use_distributed: bool | None = None,
         scheduler: Any = None,
@@ -215,7 +230,7 @@ class NNHandler:
             checkpoint_dir=checkpoint_dir, resume=resume, keep_last=keep_last, overwrite=overwrite,
             preemption_check_every=preemption_check_every, strategy=strategy, fsdp_wrap=fsdp_wrap,
             fsdp_kwargs=fsdp_kwargs, compile=compile, compile_kwargs=compile_kwargs,
-            scheduler_interval=scheduler_interval)
+            scheduler_interval=scheduler_interval, training_step=training_step, validation_step=validation_step)
         # The first train() loads what resume names and claims checkpoint_dir (resume.start_run).
         self._state = TrainingState(start_pending=resume is not None or checkpoint_dir is not None)
         self._owns_group, self._closed = False, False  # _owns_group: close() destroys the process group
@@ -245,26 +260,20 @@ class NNHandler:
             self.add_callback(cb)
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
-        self.model: nn.Module
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        self.loss_fn: Callable | None = None
-        self._optimizer_factory: Callable | None = None
-        self.set_model(model)
-        if optimizer is not None:
-            self.set_optimizer(optimizer, **dict(optimizer_kwargs or {}))
-        elif optimizer_kwargs:
-            raise ConfigurationError("optimizer_kwargs were given without an optimizer class")
-        if loss_fn is not None:
-            self.set_loss_fn(loss_fn)
-        if scheduler is not None:
-            self.set_scheduler(scheduler, **dict(scheduler_kwargs or {}))
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.loss_fn: Callable | None = loss_fn
+        self._models = Models(lambda m: wrap_model(m, self.config, self.device, self.precision, self._parallel,
+                                                   self.distributed), self.config.scheduler_interval,
+                              check=lambda models: check_steps(self.config, models, self.loss_fn))
+        self._models.set_models(model, optimizer, optimizer_kwargs)
+        self._models.set_schedulers(scheduler, dict(scheduler_kwargs or {}))
         if self.distributed:
             lifetime.track_for_exit(self)
 
     # The run's state (updated by the loop and by resume) and the constructor's knobs.
     epoch = state_property("epoch", "Completed epochs (resumes from checkpoints).")
-    global_step = state_property("global_step", "Optimizer steps taken.")
+    global_step = state_property("global_step", "Training steps taken (one per accumulation group).")
     stop_training = state_property("stop_training", "Set to True (by a callback) to stop after the current epoch.")
     history = state_property("history", "The History of completed epochs.")
     partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
@@ -283,43 +292,55 @@ class NNHandler:
     scheduler_interval = config_property("scheduler_interval")
 
     @property
+    def model(self) -> nn.Module:
+        """The model as trained (DDP-wrapped, sharded); with several, an ``AttributeError`` naming them."""
+        return self._models.one("model")
+
+    @property
     def module(self) -> nn.Module:
         """The model without its DDP wrapper."""
         return unwrap_parallel_model(self.model)
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """The models by name, unwrapped."""
+        return self._models.modules
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer (None before one is set)."""
+        return self._models.one("optimizer")
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers by name."""
+        return dict(self._models.optimizers)
+
+    @property
+    def scheduler(self) -> Any:
+        """The LR scheduler, or None."""
+        return self._models.one("scheduler")
+
+    @property
+    def schedulers(self) -> dict[str, Any]:
+        """The schedulers by the name of their optimizer."""
+        return dict(self._models.schedulers)
 
     @property
     def is_main_process(self) -> bool:
         """True on rank 0 (and in a single process)."""
         return self.rank == 0
 
-    def set_model(self, model: nn.Module) -> None:
-        """Use ``model`` from now on: moved to the device and, under DDP, wrapped.
+    def set_model(self, model: nn.Module | Mapping[str, nn.Module]) -> None:
+        """Use ``model`` (or a mapping name -> model) from now on: moved to the device and, under DDP, wrapped.
 
         An optimizer given as a class is rebuilt over the new parameters; an
         optimizer instance must be replaced with :meth:`set_optimizer`.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.model = wrap_model(model, self.config, self.device, self.precision, self._parallel, self.distributed)
-        if self._optimizer_factory is not None:
-            self.optimizer = self._build_optimizer(self._optimizer_factory)
-        elif self.optimizer is not None:
-            log.warning("set_model: the optimizer instance still holds the previous model's parameters; "
-                        "call set_optimizer with a new one")
-
-    def _trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def _build_optimizer(self, factory: Callable) -> torch.optim.Optimizer:
-        params = self._trainable()
-        if not params:
-            raise ConfigurationError(
-                f"{type(self.module).__name__} has no trainable parameters, so there is nothing to optimize"
-            )
-        return factory(params)
+        self._models.set_models(model)
 
     def set_optimizer(self, optimizer: Any, **optimizer_kwargs: Any) -> None:
-        """Use an optimizer instance, or build one from a class and ``optimizer_kwargs``.
+        """Use an optimizer instance, a mapping name -> instance, or one built from a class and ``optimizer_kwargs``.
 
         Example:
             >>> import torch
@@ -328,39 +349,18 @@ class NNHandler:
             >>> type(h.optimizer).__name__
             'Adam'
         """
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer_kwargs:
-                raise ConfigurationError("optimizer_kwargs only apply when the optimizer is given as a class")
-            mine = {id(p) for p in self.module.parameters()}
-            theirs = [p for group in optimizer.param_groups for p in group["params"]]
-            if not any(id(p) in mine for p in theirs):
-                raise ConfigurationError(
-                    "the optimizer holds none of the model's parameters (was it built for another model, or "
-                    "before strategy='fsdp' sharded it?); "
-                    "pass the optimizer class instead, e.g. optimizer=torch.optim.SGD, optimizer_kwargs={'lr': 0.1}"
-                )
-            self._optimizer_factory = None
-            self.optimizer = optimizer
-        elif callable(optimizer):
-            kwargs = dict(optimizer_kwargs)
-            self._optimizer_factory = lambda params: optimizer(params, **kwargs)
-            self.optimizer = self._build_optimizer(self._optimizer_factory)
-        else:
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a class, got {type(optimizer).__name__}")
+        self._models.set_optimizers(optimizer, optimizer_kwargs)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
         """Use ``loss_fn(outputs, targets) -> scalar tensor``."""
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        check_steps(self.config, self._models, loss_fn)
         self.loss_fn = loss_fn
 
     def set_scheduler(self, scheduler: Any, **scheduler_kwargs: Any) -> None:
-        """Use an LR scheduler instance, or build one from a class over the current optimizer; None removes it."""
-        if scheduler is None:
-            self.scheduler = None
-            return
-        scheduler = build_scheduler(scheduler, scheduler_kwargs, self.optimizer, self.config.scheduler_interval)
-        self.scheduler = scheduler
+        """Use an LR scheduler instance, a mapping by optimizer name, or a class built over the optimizer; None: none."""
+        self._models.set_schedulers(scheduler, scheduler_kwargs)
 
     def add_callback(self, callback: Callback) -> None:
         """Attach a :class:`~nn_handler.callbacks.Callback`."""
@@ -381,26 +381,6 @@ class NNHandler:
     def set_val_loader(self, data: Any, **loader_kwargs: Any) -> None:
         """Validation data, as :meth:`set_train_loader` (not shuffled); every sample counts exactly once."""
         self.val_loader = self._make_loader(data, loader_kwargs, shuffle=False)
-
-    def _check_ready(self) -> None:
-        if self._closed and self.distributed:
-            # Without its DDP wrapper the model would train on each rank alone, silently.
-            raise ConfigurationError("this handler was closed (its DDP model and process group are released); "
-                                     "build a new NNHandler to train again")
-        if self.train_loader is None:
-            raise ConfigurationError("no training data: call set_train_loader(dataset_or_loader) before train()")
-        if not self._trainable():
-            raise ConfigurationError(
-                f"{type(self.module).__name__} has no trainable parameters, so there is nothing to train"
-            )
-        if self.optimizer is None:
-            raise ConfigurationError(
-                "no optimizer: pass optimizer= (an instance, or a class with optimizer_kwargs) "
-                "or call set_optimizer() before train()"
-            )
-        D.check_not_empty(self.train_loader, "training")
-        if self.val_loader is not None:
-            D.check_not_empty(self.val_loader, "validation")
 
     # ------------------------------------------------------------------ training
 
@@ -452,8 +432,8 @@ class NNHandler:
         limits = Limits.checked(epochs, max_steps, max_time)
         validate_every = check_int("validate_every", validate_every, minimum=1)
         check_int("validate_every_n_steps", validate_every_n_steps, minimum=1, allow_none=True)
-        self._check_ready()
         parts, state = self._parts(), self._state
+        check_ready(parts, closed=self._closed)
         check_every_rank_runs(parts, "NNHandler.train")  # refused at once inside on_rank
         if state.start_pending:
             R.start_run(parts, self.config, state)
@@ -479,8 +459,8 @@ class NNHandler:
             loader = self._make_loader(data, {}, shuffle=False)
         return evaluation.evaluate(self._parts(), self.config, loader)
 
-    def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
-                device_ids: Sequence[int | str] | None = None) -> Any:
+    def predict(self, data: Any, batch_size: int | None = None, *, model: str | None = None,
+                data_parallel: bool = False, device_ids: Sequence[int | str] | None = None) -> Any:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -493,6 +473,7 @@ class NNHandler:
                 input), a ``Dataset`` or a ``DataLoader`` (its order and
                 batching settings are kept; shuffling is turned off).
             batch_size: Batch size (default: the loader's, else 32).
+            model: The name of the model to run, with several (``predict(x, model="G")``).
             data_parallel: From a single process, run the model on every
                 device at once through :func:`~nn_handler.parallel_predict`
                 (one worker per device, batches spread dynamically).
@@ -508,10 +489,11 @@ class NNHandler:
             >>> h.predict(torch.arange(5.0).reshape(5, 1)).flatten().tolist()
             [0.0, 1.0, 2.0, 3.0, 4.0]
         """
+        parts = self._parts()
+        module = parts.module(model, "predict()")
         if data_parallel:
-            return evaluation.predict_data_parallel(self._parts(), self.config, data, batch_size, device_ids)
-        loader = D.predict_loader(data, batch_size, self._parallel, self.config.seed)
-        return evaluation.predict(self._parts(), self.config, loader)
+            return evaluation.predict_data_parallel(parts, module, data, batch_size, device_ids)
+        return evaluation.predict(parts, module, D.predict_loader(data, batch_size, self._parallel, self.config.seed))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -571,17 +553,18 @@ class NNHandler:
 
         Under ``strategy="fsdp"`` the shards are gathered to rank 0 (on CPU) first. The file loads with
         ``torch.load(path, weights_only=True)`` into the plain model, on any machine, without nn_handler.
+        With several models it holds ``{name: state_dict}``: ``G.load_state_dict(torch.load(path)["G"])``.
         """
         R.export_model(self._parts(), path)
 
     def load_model(self, path: str | os.PathLike) -> None:
-        """Load weights saved by :meth:`save_model` (or the model part of a checkpoint).
+        """Load weights saved by :meth:`save_model` (by name, with several models), or a checkpoint's.
 
         Raises:
             CheckpointError: A missing, corrupt or truncated file.
             CheckpointMismatchError: Weights that do not fit the model (keys named).
         """
-        load_model(self._parts(), path)
+        R.load_model(self._parts(), path)
 
     def plot_history(self, path: str | os.PathLike) -> None:
         """Save a PNG of the loss and metric curves (main process only; others return at once).
@@ -658,8 +641,8 @@ class NNHandler:
             return
         self._closed = True
         lifetime.forget(self)
-        if isinstance(self.model, DistributedDataParallel):
-            self.model = self.module
+        if any(isinstance(m, DistributedDataParallel) for m in self._models.trained.values()):
+            self._models.trained = {n: unwrap_parallel_model(m) for n, m in self._models.trained.items()}
             # DDP's reducer holds the group; cycles through its hooks can keep
             # it alive past the last reference, so collect them now.
             gc.collect()
@@ -674,12 +657,14 @@ class NNHandler:
 
     def __repr__(self) -> str:
         where = f"rank {self.rank}/{self.world_size}, " if self.distributed else ""
-        return f"NNHandler({type(self.module).__name__}, {where}{self.device}, epoch={self.epoch})"
+        models = ", ".join(type(m).__name__ if n == "model" else f"{n}={type(m).__name__}"
+                           for n, m in self.models.items())
+        return f"NNHandler({models}, {where}{self.device}, epoch={self.epoch})"
 
     def _parts(self) -> Parts:
         """What a call works on, handed to :mod:`nn_handler._training` explicitly."""
-        return Parts(view=self, model=self.model, module=self.module, optimizer=self.optimizer,
-                     scheduler=self.scheduler, scaler=self.scaler, loss_fn=self.loss_fn,
+        return Parts(view=self, models=dict(self._models.trained), optimizers=dict(self._models.optimizers),
+                     schedulers=dict(self._models.schedulers), scaler=self.scaler, loss_fn=self.loss_fn,
                      train_loader=self.train_loader, val_loader=self.val_loader, callbacks=self.callbacks,
                      device=self.device, distributed=self.distributed, rank=self.rank, world_size=self.world_size,
                      precision=self.precision, strategy=self.config.strategy)

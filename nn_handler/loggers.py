@@ -133,9 +133,11 @@ class TensorBoardLogger(Callback):
         mean = sum(float(t) for t in losses) / len(losses)
         self._writer.add_scalar("step/train_loss", mean, global_step)
         self._written_step = max(self._written_step, global_step)
-        if handler.optimizer is not None:
-            for i, group in enumerate(handler.optimizer.param_groups):
-                self._writer.add_scalar(f"step/lr_group{i}", float(group["lr"]), global_step)
+        optimizers = handler.optimizers
+        for name, optimizer in optimizers.items():  # with several optimizers, each by name
+            where = "" if len(optimizers) == 1 else f"{name}_"
+            for i, group in enumerate(optimizer.param_groups):
+                self._writer.add_scalar(f"step/lr_{where}group{i}", float(group["lr"]), global_step)
 
     def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:

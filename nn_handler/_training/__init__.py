@@ -13,8 +13,9 @@ callbacks, a :class:`~nn_handler._training.config.TrainingConfig`, a
     data.py        loaders, samplers, the mid-epoch replay
     batches.py     what a batch is (pair, lone input, mapping), how the model is called, targets and loss
     precision.py   amp: the autocast dtype, the GradScaler, FSDP's MixedPrecisionPolicy (decided once)
-    step.py        one optimizer step (autocast, scaler, clipping)
-    loop.py        epochs, hooks, accumulation and no_sync, finite checks, the preemption stop
+    context.py     StepContext (public): what a step function gets: models as trained, autocast, backward, step
+    step.py        the built-in training and validation steps; a step function at each micro-batch
+    loop.py        epochs, hooks, accumulation groups, finite checks, the preemption stop
     schedule.py    the LR scheduler (built, checked, stepped per epoch or per step) and the optimizer-step hooks
     report.py      the line per epoch (logged; printed off a terminal), validation every N optimizer steps
     metrics.py     the epoch's sums, one all-reduce, non-finite losses

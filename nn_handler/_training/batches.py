@@ -35,7 +35,8 @@ import torch
 from .._tree import apply, tensors, to_device
 from ..errors import ConfigurationError
 
-__all__ = ["split", "call", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets", "outputs_of"]
+__all__ = ["split", "call", "loss_of", "own_loss", "size_of", "sample_count", "head", "cut", "move", "check_targets",
+           "outputs_of"]
 
 NO_LOSS = ("no loss function: pass loss_fn= to NNHandler or call set_loss_fn(), or give a model that returns its "
            "own loss (an output with a `loss` attribute or key, as Hugging Face models do when the batch holds "
@@ -125,6 +126,22 @@ def size_of(inputs: Any, targets: Any) -> int:
         if first is not None and first.dim() > 0:
             return first.shape[0]
     raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
+
+
+def sample_count(batch: Any) -> int:
+    """Samples in a batch, what its losses are weighted by: :func:`size_of` its :func:`split`, for any batch.
+
+    A batch of more than two parts (a user's step takes any batch) counts
+    its first tensor with a batch dimension.
+
+    Example:
+        >>> import torch
+        >>> sample_count((torch.ones(7, 5, 2), torch.ones(5))), sample_count((torch.ones(3), torch.ones(3), 1))
+        (5, 3)
+    """
+    if isinstance(batch, (list, tuple)) and len(batch) > 2:
+        return size_of(batch, None)
+    return size_of(*split(batch))
 
 
 def head(obj: Any, n: int) -> Any:

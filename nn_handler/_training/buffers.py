@@ -31,9 +31,11 @@ BUCKET_BYTES = 250 * 1024 * 1024
 
 def sync_buffers(parts: Parts, what: str) -> None:
     """Every rank's buffers become rank 0's; call it on every rank (a no-op in one process or without buffers)."""
-    if not parts.in_group or getattr(parts.model, "broadcast_buffers", True) is False:
-        return  # the user's DDP setting: every rank keeps its own buffers
-    buffers = list(parts.module.buffers())
+    if not parts.in_group:
+        return
+    # broadcast_buffers=False: the user's DDP setting, every rank keeps its own buffers.
+    buffers = [b for name, module in parts.modules.items()
+               if getattr(parts.models[name], "broadcast_buffers", True) is not False for b in module.buffers()]
     if not buffers:
         return
     check_collective_allowed(what)

@@ -57,6 +57,8 @@ class TrainingConfig:
     compile: bool = False
     compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
     scheduler_interval: str | None = None  # "epoch", "step", None: by the scheduler's type (schedule.py)
+    training_step: Callable | None = None  # fn(ctx, batch); None: the built-in step (step.py)
+    validation_step: Callable | None = None
 
     @classmethod
     def from_arguments(
@@ -67,6 +69,7 @@ class TrainingConfig:
         overwrite: bool = False, preemption_check_every: int | None = None, strategy: str = "auto",
         fsdp_wrap: Any = None, fsdp_kwargs: Mapping[str, Any] | None = None, compile: bool = False,
         compile_kwargs: Mapping[str, Any] | None = None, scheduler_interval: str | None = None,
+        training_step: Callable | None = None, validation_step: Callable | None = None,
     ) -> "TrainingConfig":
         """Check every knob (the first mistake raises :class:`~nn_handler.ConfigurationError`) and freeze them."""
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
@@ -94,7 +97,12 @@ class TrainingConfig:
         _check_strategy(strategy, fsdp_wrap, fsdp_kwargs, ddp_kwargs, sync_batchnorm)
         compile_kwargs = _checked_compile(compile, compile_kwargs)
         check_interval(scheduler_interval)
-        return cls(compile=compile, compile_kwargs=compile_kwargs, strategy=strategy, fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
+        for name, fn in (("training_step", training_step), ("validation_step", validation_step)):
+            if fn is not None and not callable(fn):
+                raise invalid(name, "a function fn(ctx, batch) -> loss or {'loss': ..., ...}", fn)
+        return cls(compile=compile, compile_kwargs=compile_kwargs, strategy=strategy,
+                   fsdp_wrap=_wrap_classes(fsdp_wrap), fsdp_kwargs=dict(fsdp_kwargs or {}),
+                   training_step=training_step, validation_step=validation_step,
                    grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm,
                    finite_check_every=finite_check_every, metrics=metrics, amp=amp, seed=seed,
                    sync_batchnorm=bool(sync_batchnorm), ddp_kwargs=dict(ddp_kwargs or {}), checkpoint_dir=directory,

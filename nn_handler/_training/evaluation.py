@@ -10,7 +10,8 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import logging
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,64 +25,105 @@ from . import data as D
 from . import metrics as M
 from .buffers import sync_buffers
 from .config import TrainingConfig
-from .parts import Parts
+from .context import StepContext
+from .parts import Parts, builtin_validation
 from .sharding import is_sharded
+from .step import StepValues, ValidationStep
 from .uneven import even_batches
 
+log = logging.getLogger(__name__)
 
-def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader) -> list:
-    """This rank's ``[loss_sum, count, metric_sums...]`` over its real (unpadded) samples."""
-    module, loss_fn, metrics, precision = parts.module, parts.loss_fn, config.metrics, parts.precision
+
+def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
+              epoch: int | None = None) -> tuple[list, list[str]]:
+    """This rank's ``[loss_sum, count, value_sums...]`` over its real (unpadded) samples, and the values' names.
+
+    The validation step (the handler's ``validation_step``, else the built-in
+    loss and metrics) runs under ``torch.no_grad()`` on the models themselves.
+    """
+    step, values = validation_step(parts, config)
+    ctx = StepContext(parts.modules, parts.optimizers, parts.precision, parts.device, training=False)
+    ctx.epoch = parts.view.epoch if epoch is None else epoch
+    ctx.global_step = parts.view.global_step
     sync_buffers(parts, "NNHandler.evaluate")  # rank 0's running statistics, as in the exported model
-    was_training = module.training
-    module.eval()
+    modes = [(module, module.training) for module in parts.modules.values()]
+    for module, _ in modes:
+        module.eval()
     real = D.real_sample_count(loader)
-    losses, sizes = [], []
-    metric_values: list[list] = [[] for _ in metrics]
+    losses, sizes, columns = [], [], []
     seen = 0
     # A sharded model's forward is a collective: every rank runs it on every batch, padding included.
-    lockstep = is_sharded(module) and parts.in_group
+    lockstep = parts.in_group and any(is_sharded(m) for m in parts.modules.values())
     try:
-        # The unwrapped module: DDP's forward is not needed without
-        # gradients, and avoiding it keeps evaluation free of collectives.
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad():
             for batch in even_batches(loader) if lockstep else loader:
-                inputs, targets = B.split(B.move(batch, parts.device))
-                B.check_targets(inputs, targets, loss_fn, "validation")
-                n = B.size_of(inputs, targets)
+                batch = B.move(batch, parts.device)
+                n = B.sample_count(batch)
                 keep = n if real is None else min(n, real - seen)
                 seen += n
-                if keep <= 0 and not lockstep:
-                    break  # only DistributedSampler padding is left
+                if keep <= 0 and not lockstep and values.names is not None:
+                    break  # only DistributedSampler padding is left (a step that names its values ran once)
                 if 0 < keep < n:
                     # Cut before the forward: a model's own loss then covers the real samples only.
-                    inputs, targets = B.cut(inputs, targets, keep)
-                outputs = precision.convert_output(B.call(module, inputs))
+                    batch = B.head(batch, keep)
+                loss, returned = values.read(step(ctx, batch))
                 if keep <= 0:
                     continue
-                losses.append(B.loss_of(outputs, targets, loss_fn).detach())
+                losses.append(loss)
                 sizes.append(keep)
-                for values, fn in zip(metric_values, metrics.values()):
-                    values.append(fn(outputs, targets))
+                columns = columns or [[] for _ in returned]
+                for column, value in zip(columns, returned):
+                    column.append(value)
     finally:
-        module.train(was_training)
+        for module, was_training in modes:
+            module.train(was_training)
+    names = list(values.names or [])
     if not losses:
-        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(metrics)
-    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, metric_values)
+        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(names), names
+    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, columns), names
+
+
+def validation_step(parts: Parts, config: TrainingConfig) -> tuple[Callable, StepValues]:
+    """The validation step (the handler's ``validation_step``, else the built-in one), and its reader.
+
+    Raises:
+        ConfigurationError: There is neither (a ``training_step`` without ``validation_step`` or ``loss_fn``).
+    """
+    if config.validation_step is not None:
+        return config.validation_step, StepValues("validation_step")
+    if not builtin_validation(config, parts.models, parts.loss_fn):
+        raise ConfigurationError(NO_VALIDATION)
+    return ValidationStep(parts.loss_fn, config.metrics, parts.precision), StepValues("the step", list(config.metrics))
+
+
+def validation_runs(parts: Parts, config: TrainingConfig) -> bool:
+    """True when ``train()`` validates: a validation loader and a validation step; without a step, one log line."""
+    if parts.val_loader is None:
+        return False
+    if config.validation_step is not None or builtin_validation(config, parts.models, parts.loss_fn):
+        return True
+    if parts.is_main_process:
+        log.warning("validation skipped: %s", NO_VALIDATION)
+    return False
+
+
+NO_VALIDATION = ("no validation step: with training_step (or several models) pass validation_step=fn(ctx, batch), "
+                 "or, with one model, a loss_fn")
 
 
 def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[str, float]:
-    """``{"loss": ..., "<metric>": ...}`` over ``loader``, identical on every rank."""
+    """``{"loss": ..., "<name>": ...}`` over ``loader``, identical on every rank."""
     check_collective_allowed("NNHandler.evaluate")  # its sums meet in an all_reduce, a sharded forward is one
     D.check_not_empty(loader, "evaluation")
-    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, loader), [], parts.device, parts.distributed)
+    sums, names = eval_sums(parts, config, loader)
+    totals, _ = M.reduce_over_ranks(sums, [], parts.device, parts.distributed)
     if totals[1] == 0:
         raise ConfigurationError("evaluate(): the data yielded no samples")
-    return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, config.metrics).items()}
+    return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, names).items()}
 
 
-def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:
-    """The model's outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
+def predict(parts: Parts, module: nn.Module, loader: DataLoader) -> Any:
+    """``module``'s outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
 
     A tensor output gives one tensor; a mapping output (a Hugging Face ``ModelOutput``) the same kind
     of mapping of its batched tensors, each concatenated (scalars such as its loss left out).
@@ -89,7 +131,6 @@ def predict(parts: Parts, config: TrainingConfig, loader: DataLoader) -> Any:
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
     real = D.real_sample_count(loader)
-    module = parts.module
     sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
@@ -150,9 +191,9 @@ def _as_kind(kind: type | None, local: Any) -> Any:
         return local
 
 
-def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch_size: int | None,
+def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size: int | None,
                           device_ids: Sequence[int | str] | None) -> torch.Tensor:
-    """:func:`~nn_handler.parallel_predict` over the unwrapped model, from a single process."""
+    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process."""
     if parts.in_group:
         raise ConfigurationError(
             "predict(data_parallel=True) starts one worker per device itself; call it from a single "
@@ -162,7 +203,7 @@ def predict_data_parallel(parts: Parts, config: TrainingConfig, data: Any, batch
         batch_size = data.batch_size
     if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
-    return parallel_predict(InputsOnly(parts.module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
+    return parallel_predict(InputsOnly(module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
                             device_ids=device_ids, autocast=parts.precision.dtype or False)
 
 

@@ -9,10 +9,10 @@ it (:mod:`.readout`): losses and metric values stay on the device until the
 epoch's sums. The flow of :meth:`Loop.run`::
 
     on_train_begin
-    per epoch:   on_epoch_begin -> batches (on_batch_begin, Step.forward/backward,
-                 every k-th: OptimizerSteps.take (hooks, per-step scheduler), on_batch_end, the
-                 preemption check) -> validation -> one all-reduce -> History row, per-epoch
-                 scheduler step -> on_epoch_end
+    per epoch:   on_epoch_begin -> batches (on_batch_begin, the step function through
+                 MicroBatches.run: forward, backward, and at a group's end the optimizer steps with
+                 their hooks and per-step schedulers; on_batch_end, the preemption check)
+                 -> validation -> one all-reduce -> History row, per-epoch scheduler steps -> on_epoch_end
                  -> agree on stop / preemption -> the epoch's checkpoint (with checkpoint_dir)
     on_train_end
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,25 +34,24 @@ import torch.distributed as dist
 
 from .._checks import check_int, check_number
 from ..checkpoint import capture_rng_state
-from ..errors import ConfigurationError, NonFiniteLossError
-from ..utils._stall import new_wait, note_step, watch_collectives, watching
+from ..errors import ConfigurationError
+from ..utils._stall import new_wait, note_step, watch_collectives
 from ..utils.ddp_decorators import any_rank
 from . import batches as B
 from . import data as D
 from . import metrics as M
 from . import uneven as U
 from .config import TrainingConfig
-from .evaluation import eval_sums
-from .parts import Parts
+from .evaluation import eval_sums, validation_runs
+from .parts import Parts, check_frozen_at_wrap
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
 from .readout import HostReads
 from .report import epoch_line, report_epoch, validate_at_step
 from .resume import save_run_checkpoint
-from .schedule import OptimizerSteps, step_per_epoch
-from .sharding import can_pause_sync, gradient_sync_paused
+from .schedule import OptimizerSteps, learning_rates
 from .state import TrainingState
-from .step import Step
+from .step import MicroBatches, trained_models
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +104,10 @@ class Loop:
         if limits.reached(state):
             log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
             return
+        check_frozen_at_wrap(parts)
         self.state.stop_training = False
         self.steps = OptimizerSteps(parts, state, self.config.scheduler_interval)  # refuses a bad interval first
+        self.validates = validation_runs(parts, self.config)
         for cb in parts.callbacks:
             cb.on_train_begin(parts.view)
         try:
@@ -172,13 +172,13 @@ class Loop:
         sampler = getattr(parts.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(state.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
-        lr = parts.optimizer.param_groups[0]["lr"]
+        lrs = learning_rates(parts.optimizers)
         M.reset_peak_memory(parts.device)
         start = time.perf_counter()
         train = self._train_epoch(epoch, limits, progress, monitor)
         train_time = time.perf_counter() - start
-        validate = parts.val_loader is not None and epoch % validate_every == 0
-        val = eval_sums(parts, config, parts.val_loader) if validate else []
+        validate = self.validates and epoch % validate_every == 0
+        val, val_names = eval_sums(parts, config, parts.val_loader, epoch) if validate else ([], [])
         epoch_time = time.perf_counter() - start
 
         mine = [train_time, epoch_time, M.peak_memory_mb(parts.device), train["bad_step"], train["bad_value"]]
@@ -194,16 +194,17 @@ class Loop:
             # batch. Set before the hooks: handler.partial_epoch tells them.
             state.resume_partial = partial
         k = len(train["sums"])
-        row: dict[str, Any] = {"epoch": epoch, **M.means("train_", totals[:k], config.metrics)}
+        row: dict[str, Any] = {"epoch": epoch, **M.means("train_", totals[:k], train["names"])}
         if self.val_steps:
             row["step"] = state.global_step  # beside the rows of validate_every_n_steps
         if validate:
-            val_logs = M.means("val_", totals[k:], config.metrics)
+            val_logs = M.means("val_", totals[k:], val_names)
             row.update(val_logs)
             for cb in parts.callbacks:
                 cb.on_validation_end(parts.view, epoch, val_logs)
         slowest_train = max(v[0] for v in ranks)
-        row.update(lr=lr, epoch_time=max(v[1] for v in ranks),
+        row.update(lrs)
+        row.update(epoch_time=max(v[1] for v in ranks),
                    samples_per_sec=totals[1] / slowest_train if slowest_train > 0 else float("nan"))
         row.update({f"peak_mem_mb_rank{r}": v[2] for r, v in enumerate(ranks)})
         state.drop_partial_row()  # the row of this epoch's first part, before a step or time limit stopped it
@@ -211,7 +212,7 @@ class Loop:
         if partial is None:
             # A part-way epoch leaves the epoch count and the scheduler as they
             # were: the run that continues it steps them when it completes.
-            step_per_epoch(parts.scheduler, self.steps.interval, row)
+            self.steps.epoch_done(row)
             state.epoch = epoch
         state.history.append(row)
         if parts.is_main_process:
@@ -223,11 +224,10 @@ class Loop:
     def _train_epoch(self, epoch: int, limits: Limits, progress: bool,
                      monitor: PreemptionMonitor | None) -> dict[str, Any]:
         parts, config, state = self.parts, self.config, self.state
-        model, loader, device, view = parts.model, parts.train_loader, parts.device, parts.view
-        callbacks, k, metrics = parts.callbacks, config.grad_accum_steps, config.metrics
-        step = Step(model, parts.module, parts.loss_fn, parts.optimizer, parts.scaler, parts.precision,
-                    config.clip_grad_norm, k)
-        model.train()
+        loader, device, view = parts.train_loader, parts.device, parts.view
+        callbacks, k = parts.callbacks, config.grad_accum_steps
+        for model in trained_models(parts):
+            model.train()
         try:
             n_batches = len(loader)
         except TypeError:  # an IterableDataset without __len__
@@ -237,17 +237,18 @@ class Loop:
             U.check_lengths(n_batches, epoch)
         # Skipping the all-reduce needs to know which micro-step is the last
         # of an epoch; without a length every micro-step synchronizes.
-        no_sync = can_pause_sync(model) and k > 1 and n_batches is not None
+        pause_sync = k > 1 and n_batches is not None
         # Checking a loss on the host costs a CPU-GPU sync: by default only
         # where that is free (a single CPU process); elsewhere at epoch end.
         reads = HostReads.for_device(device)
         # A finite_check_every adds its check to the free per-step one, never replaces it.
         check_each_step = not parts.distributed and (config.finite_check_every == 1 or reads.free)
         check_every = None if check_each_step else config.finite_check_every
+        steps = MicroBatches.for_training(parts, config, state, self.steps, epoch, check_each_step)
         max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
-        metric_values: list[list] = [[] for _ in metrics]
+        values: list[list] = []  # per value the step returns besides its loss (metrics), per batch
         resume, state.resume_partial = state.resume_partial, None
         first = 0
         if resume is not None:
@@ -255,7 +256,8 @@ class Loop:
             batches, first = D.skip_to(loader, resume, epoch)
             losses = [t.to(device) for t in resume["losses"].unbind(0)]
             sizes = [int(n) for n in resume["sizes"]]
-            metric_values = [list(t.unbind(0)) for t in resume["metrics"]]
+            values = [list(t.unbind(0)) for t in resume["metrics"]]
+            steps.values.names = list(resume.get("keys", steps.values.names or []))
         else:
             # What decides this epoch's batch order (the global generators, the
             # loader's and sampler's own), taken before the loader draws from
@@ -277,31 +279,21 @@ class Loop:
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
                         cb.on_batch_begin(view, i)
-                    inputs, targets = B.split(B.move(batch, device, reads.non_blocking))
-                    B.check_targets(inputs, targets, parts.loss_fn, "training")
+                    batch = B.move(batch, device, reads.non_blocking)
                     micro += 1
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
-                    with gradient_sync_paused(model) if no_sync and not boundary else contextlib.nullcontext():
-                        outputs, loss = step.forward(inputs, targets)
-                        # .item(): on the CPU a plain read, a tenth of the cost
-                        # of bool(torch.isfinite(loss)); on a GPU the same sync.
-                        if check_each_step and not math.isfinite(value := loss.item()):
-                            raise NonFiniteLossError(epoch, i, value)
-                        with watching("backward (DDP's gradient all_reduce)"):
-                            step.backward(loss)
+                    loss, returned = steps.run(batch, i, boundary, pause_sync)
                     if boundary:
-                        note_step(self.steps.take(step))
+                        note_step(state.global_step)
                         micro = 0
-                    detached = loss.detach()
-                    losses.append(detached)
-                    sizes.append(B.size_of(inputs, targets))
-                    if metrics:
-                        with torch.no_grad():
-                            out = B.outputs_of(outputs)
-                            for values, fn in zip(metric_values, metrics.values()):
-                                values.append(fn(out, targets))
+                    losses.append(loss)
+                    sizes.append(B.sample_count(batch))
+                    if returned:
+                        values = values or [[] for _ in returned]
+                        for column, value in zip(values, returned):
+                            column.append(value)
                     for cb in callbacks:
-                        cb.on_batch_end(view, i, detached)
+                        cb.on_batch_end(view, i, loss)
                     if check_every and (i + 1) % check_every == 0:
                         M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
                     if bar is not None:
@@ -311,7 +303,7 @@ class Loop:
                     # After the whole step (update, hooks): a stop comes between
                     # two optimizer steps, never inside an accumulation group.
                     last = n_batches is not None and i + 1 == n_batches
-                    if (self.val_steps and state.global_step % self.val_steps == 0 and parts.val_loader is not None
+                    if (self.val_steps and state.global_step % self.val_steps == 0 and self.validates
                             and not (last and epoch % self.validate_every == 0)):  # not twice at the epoch's end
                         validate_at_step(parts, config, state, epoch)
                     if monitor is not None:
@@ -321,7 +313,7 @@ class Loop:
                     if stop is not None:
                         break
                 if micro:  # an unsized loader ended inside an accumulation group
-                    self.steps.take(step)
+                    steps.end_group(step_asked=True)
         finally:
             if bar is not None:
                 bar.close()
@@ -330,18 +322,19 @@ class Loop:
                 "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
                 "batch_size, or fewer samples than ranks?)"
             )
+        names = list(steps.values.names or [])
         partial = None
         if stop is not None:
             # "rng": the streams at the stop, before validation draws from them.
             partial = {"batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in metric_values],
+                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in values], "keys": names,
                        "rng": capture_rng_state()}
             if stop == "preempt":
                 raise _StopMidEpoch(partial)
         stacked = torch.stack(losses).to(torch.float64)
-        sums = M.batch_sums(stacked, sizes, metric_values)
+        sums = M.batch_sums(stacked, sizes, values)
         bad_step, bad_value = M.first_nonfinite(stacked)
-        return {"sums": sums, "bad_step": bad_step, "bad_value": bad_value, "partial": partial}
+        return {"sums": sums, "names": names, "bad_step": bad_step, "bad_value": bad_value, "partial": partial}
 
 
 class _StopMidEpoch(Exception):

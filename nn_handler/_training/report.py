@@ -20,6 +20,7 @@ from . import metrics as M
 from .config import TrainingConfig
 from .evaluation import eval_sums
 from .parts import Parts
+from .schedule import learning_rates
 from .state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ def epoch_line(row: dict[str, Any], epochs: int | None, stopped_after: int | Non
     if stopped_after is not None:
         where += f" (stopped after {stopped_after} batches)"
     values = [f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("train_", "val_")) and v is not None]
-    if row.get("lr") is not None:
-        values.append(f"lr={row['lr']:.4g}")
+    values += [f"{k}={v:.4g}" for k, v in row.items() if (k == "lr" or k.startswith("lr_")) and v is not None]
     if row.get("epoch_time") is not None:
         values.append(f"time={row['epoch_time']:.2f}s")
     return f"{where}: {' '.join(values)}"
@@ -67,10 +67,11 @@ def validate_at_step(parts: Parts, config: TrainingConfig, state: TrainingState,
     global step). A row of a part-way epoch that this run continues is out
     of date once training went on, so it goes first.
     """
-    totals, _ = M.reduce_over_ranks(eval_sums(parts, config, parts.val_loader), [], parts.device, parts.distributed)
-    logs = M.means("val_", totals, config.metrics)
+    sums, names = eval_sums(parts, config, parts.val_loader, epoch)
+    totals, _ = M.reduce_over_ranks(sums, [], parts.device, parts.distributed)
+    logs = M.means("val_", totals, names)
     state.drop_partial_row()
-    row = {"epoch": epoch, "step": state.global_step, **logs, "lr": parts.optimizer.param_groups[0]["lr"]}
+    row = {"epoch": epoch, "step": state.global_step, **logs, **learning_rates(parts.optimizers)}
     state.history.append(row)
     if parts.is_main_process:
         log.info("step %d (epoch %d): %s", state.global_step, epoch, " ".join(f"{k}={v:.4g}" for k, v in logs.items()))

@@ -38,8 +38,9 @@ from . import sharded_checkpoint
 from .buffers import sync_buffers
 from .config import TrainingConfig
 from .data import sampler_generator
-from .parts import Parts
+from .parts import MODEL, OPTIMIZER, Parts
 from .sharding import full_model_state
+from .sharded_checkpoint import plain_keys
 from .state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,8 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
     return {
         "format": FORMAT,
         "run": {"id": state.run_id, "seq": None},  # seq: the write number in checkpoint_dir
-        "model": sharded_checkpoint.plain_keys(parts.module.state_dict()),
-        "optimizer": parts.optimizer.state_dict() if parts.optimizer is not None else None,
-        "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        **trained_state(parts),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-        # Another class's state loads without a word and fails at the first step.
-        "optimizer_class": class_name(parts.optimizer),
-        "scheduler_class": class_name(parts.scheduler),
         **state.state_dict(),
         "rng": rng_states if rng_states is not None else [capture_rng_state()],
         "world_size": parts.world_size,
@@ -66,6 +62,34 @@ def state_dict(parts: Parts, state: TrainingState, rng_states: list | None = Non
         "callbacks": {key: cb.state_dict() for key, cb in _callback_keys(parts.callbacks)},
         "torch_version": str(torch.__version__),  # TorchVersion is not a plain str
     }
+
+
+def trained_state(parts: Parts) -> dict[str, Any]:
+    """The models', optimizers' and schedulers' states and classes (another class's state loads without a word
+    and fails at the first step): by name, or, for one model and at most one optimizer, as ``model``,
+    ``optimizer``, ``scheduler`` (the layout of the checkpoints before names)."""
+    states = {"models": {name: plain_keys(m.state_dict()) for name, m in parts.modules.items()},
+              "optimizers": {name: o.state_dict() for name, o in parts.optimizers.items()},
+              "schedulers": {name: s.state_dict() for name, s in parts.schedulers.items()},
+              "optimizer_classes": {name: class_name(o) for name, o in parts.optimizers.items()},
+              "scheduler_classes": {name: class_name(s) for name, s in parts.schedulers.items()}}
+    if parts.named:
+        return states
+    return {"model": states["models"][MODEL], "optimizer": states["optimizers"].get(OPTIMIZER),
+            "scheduler": states["schedulers"].get(OPTIMIZER),
+            "optimizer_class": states["optimizer_classes"].get(OPTIMIZER),
+            "scheduler_class": states["scheduler_classes"].get(OPTIMIZER)}
+
+
+def named_states(payload: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A checkpoint's models, optimizers and schedulers (and their classes) by name, whichever layout it has."""
+    if "models" in payload:
+        return {key: dict(payload.get(key) or {}) for key in
+                ("models", "optimizers", "schedulers", "optimizer_classes", "scheduler_classes")}
+    alone = {key: ({} if payload.get(key) is None else {OPTIMIZER: payload[key]}) for key in
+             ("optimizer", "scheduler", "optimizer_class", "scheduler_class")}
+    return {"models": {MODEL: payload["model"]}, "optimizers": alone["optimizer"], "schedulers": alone["scheduler"],
+            "optimizer_classes": alone["optimizer_class"], "scheduler_classes": alone["scheduler_class"]}
 
 
 def save(parts: Parts, state: TrainingState, path, partial: dict[str, Any] | None = None, stopped: bool = False,
@@ -121,9 +145,35 @@ def on_main(parts: Parts, fn: Callable[[], Any], what: str,
 
 
 def export_model(parts: Parts, path) -> None:
-    """The whole model's ``state_dict`` as one file from rank 0 (a sharded model's gathered first); on every rank."""
+    """The whole model's ``state_dict`` as one file from rank 0 (a sharded model's gathered first); on every rank.
+
+    With several models (or optimizers): one file of ``{name: state_dict}``.
+    """
     check_collective_allowed("NNHandler.export_model")  # the gather of a sharded model hangs where not every rank is
-    write_on_main(parts, sharded_checkpoint.plain_keys(full_model_state(parts.module)), path, "model")
+    weights = {name: plain_keys(full_model_state(module)) for name, module in parts.modules.items()}
+    write_on_main(parts, weights if parts.named else weights[MODEL], path, "model")
+
+
+def load_model(parts: Parts, path) -> None:
+    """:meth:`NNHandler.load_model`: weights from a ``state_dict`` file (by name, with several models), a
+    checkpoint file or a checkpoint directory."""
+    sharded_checkpoint.check_every_rank_runs(parts, "NNHandler.load_model", sharded_only=True)  # a collective
+    payload = load_payload(path)
+    if isinstance(payload, dict) and payload.get("format") == FORMAT:
+        payload = checked_payload(payload, path)
+    elif not isinstance(payload, Mapping):
+        raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a state_dict")
+    elif not parts.named:
+        payload = {"model": payload}
+    elif set(payload) == set(parts.models) and all(isinstance(v, Mapping) for v in payload.values()):
+        payload = {"models": payload}
+    else:
+        raise CheckpointMismatchError(f"{path} is not a file of models by name ({', '.join(map(repr, parts.models))},"
+                                      f" as export_model writes it); a single model's state_dict loads into one "
+                                      f"of them: handler.models[name].load_state_dict(torch.load(path))")
+    saved = named_states(payload)
+    _check_names(parts, saved, path, resume=False)
+    sharded_checkpoint.load(parts, saved, payload.get("sharded") is not None, path, resume=False)
 
 
 def write_on_main(parts: Parts, payload: Any, path, what: str) -> None:
@@ -275,18 +325,24 @@ def restore(parts: Parts, state: TrainingState, payload: dict[str, Any], path, r
     refused load leaves the handler as it was.
     """
     sharded_checkpoint.check_every_rank_runs(parts, "NNHandler.load_checkpoint", sharded_only=True)
+    saved = named_states(payload)
+    _check_names(parts, saved, path, resume)
     if resume:
-        _check_resumable(parts, payload, path)
-    optimizer_loaded = sharded_checkpoint.load(parts, payload, path, resume)  # any strategy's weights, any layout
+        _check_resumable(parts, saved, path)
+    # Any strategy's weights, any layout.
+    optimizers_loaded = sharded_checkpoint.load(parts, saved, payload.get("sharded") is not None, path, resume)
     if not resume:
         return int(payload["epoch"])
     _restore_scaler(parts, payload["scaler"], path)
-    for name, part, target in (("optimizer", None if optimizer_loaded else payload["optimizer"], parts.optimizer),
-                               ("scheduler", payload["scheduler"], parts.scheduler)):
-        if part is not None and target is None:
-            log.warning("%s holds %s state but this handler has no %s; it is not restored", path, name, name)
-        elif part is not None:
-            target.load_state_dict(part)
+    for what, targets in (("optimizer", parts.optimizers), ("scheduler", parts.schedulers)):
+        if what == "optimizer" and optimizers_loaded:
+            continue  # with the weights, from a sharded checkpoint
+        for name, part in saved[f"{what}s"].items():
+            if part is not None and name in targets:
+                targets[name].load_state_dict(part)
+            elif part is not None:
+                log.warning("%s holds %s state but this handler has no %s; it is not restored", path,
+                            what if name == OPTIMIZER else f"{what} {name!r}", what)
     state.load_state_dict(payload)
     state.run_id = run_info(payload)[0]  # continuing that run: its files in checkpoint_dir are ours
     rngs = payload["rng"]
@@ -335,23 +391,42 @@ def _restore_scaler(parts: Parts, saved: Mapping[str, Any] | None, path) -> None
         log.info("%s holds no loss scale (not trained in fp16): this fp16 handler starts a fresh GradScaler", path)
 
 
-def _check_resumable(parts: Parts, payload: dict[str, Any], path) -> None:
+def _check_names(parts: Parts, saved: dict[str, dict[str, Any]], path, resume: bool) -> None:
+    """Refuse a checkpoint whose models (with ``resume``, optimizers) are not this handler's, by name."""
+    checks = [("models", parts.models)] + ([("optimizers", parts.optimizers)] if resume else [])
+    for what, mine in checks:
+        theirs = [name for name, state in saved[what].items() if state is not None]
+        if theirs and mine and set(theirs) != set(mine):
+            raise CheckpointMismatchError(
+                f"{path} holds the {what} {', '.join(map(repr, theirs))} and this handler has "
+                f"{', '.join(map(repr, mine))}: build the handler with the {what} of the run that wrote it, by the "
+                f"same names" + (", or load the weights alone with load_checkpoint(path, resume=False)"
+                                 if what == "optimizers" else ""))
+
+
+def _check_resumable(parts: Parts, saved: dict[str, dict[str, Any]], path) -> None:
     """Refuse optimizer or scheduler state that this handler's cannot take (torch would fail at the first step)."""
-    for what, target in (("optimizer", parts.optimizer), ("scheduler", parts.scheduler)):
-        saved, mine = payload.get(f"{what}_class"), class_name(target)
-        if payload[what] is not None and target is not None and saved is not None and saved != mine:
-            raise CheckpointMismatchError(
-                f"{path} holds the state of a {saved} {what}; this handler's is {mine}: build the handler with "
-                f"the same {what} class to resume, or load the weights alone with "
-                f"load_checkpoint(path, resume=False)"
-            )
-    if payload["optimizer"] is not None and parts.optimizer is not None:
-        saved_sizes = [len(g["params"]) for g in payload["optimizer"]["param_groups"]]
-        sizes = [len(g["params"]) for g in parts.optimizer.param_groups]
+    for what, targets in (("optimizer", parts.optimizers), ("scheduler", parts.schedulers)):
+        for name, target in targets.items():
+            theirs, mine = saved[f"{what}_classes"].get(name), class_name(target)
+            if saved[f"{what}s"].get(name) is not None and theirs is not None and theirs != mine:
+                label = what if name == OPTIMIZER else f"{what} {name!r}"
+                raise CheckpointMismatchError(
+                    f"{path} holds the state of a {theirs} {label}; this handler's is {mine}: build the handler "
+                    f"with the same {what} class to resume, or load the weights alone with "
+                    f"load_checkpoint(path, resume=False)"
+                )
+    for name, optimizer in parts.optimizers.items():
+        state = saved["optimizers"].get(name)
+        if state is None:
+            continue
+        saved_sizes = [len(g["params"]) for g in state["param_groups"]]
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
         if saved_sizes != sizes:
+            label = "optimizer" if name == OPTIMIZER else f"optimizer {name!r}"
             raise CheckpointMismatchError(
-                f"{path} holds optimizer state for {len(saved_sizes)} parameter group(s) of {saved_sizes} "
-                f"parameters; this handler's optimizer has {len(sizes)} of {sizes}: build the optimizer as "
+                f"{path} holds {label} state for {len(saved_sizes)} parameter group(s) of {saved_sizes} "
+                f"parameters; this handler's {label} has {len(sizes)} of {sizes}: build the optimizer as "
                 f"the run that wrote it did, or load the weights alone with load_checkpoint(path, resume=False)"
             )
 
@@ -365,25 +440,33 @@ def checked_payload(payload: Any, path) -> dict[str, Any]:
         )
     # What restore reads, checked here, so that a damaged or hand-made file
     # is refused by name before anything is loaded (not a KeyError halfway).
-    kinds = {"model": Mapping, "optimizer": (Mapping, type(None)), "scheduler": (Mapping, type(None)),
-             "scaler": (Mapping, type(None)), "epoch": int, "global_step": int, "history": Mapping,
-             "rng": (list, tuple)}
+    optional = (Mapping, type(None))
+    kinds = ({"models": Mapping, "optimizers": Mapping, "schedulers": Mapping} if "models" in payload else
+             {"model": Mapping, "optimizer": optional, "scheduler": optional})
+    kinds.update({"scaler": optional, "epoch": int, "global_step": int, "history": Mapping, "rng": (list, tuple)})
     problems = [f"no {key!r}" if key not in payload else f"{key!r} is a {type(payload[key]).__name__}"
                 for key, kind in kinds.items() if key not in payload or not isinstance(payload[key], kind)]
     if not problems and not payload["rng"]:
         problems.append("'rng' is empty")
-    optimizer = payload.get("optimizer")
-    if not problems and optimizer is not None and not (
-            isinstance(optimizer.get("state"), Mapping) and isinstance(optimizer.get("param_groups"), (list, tuple))
-            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
-                    for g in optimizer["param_groups"])):
-        problems.append("'optimizer' is not an optimizer state_dict")
+    if not problems:
+        saved = named_states(payload)
+        problems += [f"model {name!r} is a {type(m).__name__}" for name, m in saved["models"].items()
+                     if not isinstance(m, Mapping)]
+        problems += [f"{'optimizer' if name == OPTIMIZER else f'optimizer {name!r}'} is not an optimizer state_dict"
+                     for name, optimizer in saved["optimizers"].items() if not _is_optimizer_state(optimizer)]
     if problems:
         raise CheckpointError(f"{path} is not a complete nn_handler checkpoint ({', '.join(problems)}); "
                               f"was it changed after NNHandler.save_checkpoint wrote it?")
     if payload.get("sharded") is not None:
         sharded_checkpoint.check_complete(path)  # the metadata file is there; are the shards?
     return payload
+
+
+def _is_optimizer_state(state: Any) -> bool:
+    return state is None or (
+        isinstance(state, Mapping) and isinstance(state.get("state"), Mapping)
+        and isinstance(state.get("param_groups"), (list, tuple))
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in state["param_groups"]))
 
 
 def class_name(obj: Any) -> str | None:

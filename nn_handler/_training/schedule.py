@@ -7,10 +7,12 @@
 scheduler per epoch. ``ReduceLROnPlateau`` steps on the epoch's monitored
 value, so it stays per epoch.
 
-Around one optimizer step, :class:`OptimizerSteps` runs::
+Around one optimizer step (:meth:`~.context.StepContext.step`), :class:`OptimizerSteps` runs::
 
-    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step, scaler update
-    -> global_step = n -> on_optimizer_step(handler, n) -> scheduler step ("step" interval)
+    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step, zero its gradients
+    -> global_step = n -> on_optimizer_step(handler, n) -> its scheduler's step ("step" interval)
+
+and once the training step is over, the fp16 scaler's ``update()``.
 
 A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
 ``global_step`` grows and a per-step scheduler steps, as Lightning does (the
@@ -23,8 +25,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.optim import lr_scheduler
@@ -86,6 +87,19 @@ def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.opt
     return scheduler
 
 
+def learning_rates(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, float]:
+    """The History's ``lr`` (the first parameter group's), or with several optimizers ``lr_<name>`` of each.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> learning_rates({"optimizer": opt}), learning_rates({"G": opt, "D": opt})
+        ({'lr': 0.1}, {'lr_G': 0.1, 'lr_D': 0.1})
+    """
+    if len(optimizers) == 1:
+        return {"lr": next(iter(optimizers.values())).param_groups[0]["lr"]}
+    return {f"lr_{name}": optimizer.param_groups[0]["lr"] for name, optimizer in optimizers.items()}
+
+
 def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) -> None:
     """The scheduler's step at the end of a completed epoch, when it steps per epoch."""
     if interval != "epoch":
@@ -103,34 +117,43 @@ def _overrides(cb: Any, hook: str) -> bool:
 
 
 class OptimizerSteps:
-    """Takes the optimizer steps of a ``train()`` call: hooks, ``global_step``, a per-step scheduler.
+    """The hooks and the schedulers around the optimizer steps of a ``train()`` call.
+
+    :meth:`~.context.StepContext.step` calls :meth:`before_step` and
+    :meth:`after_step` around each optimizer's step; with several optimizers
+    each hook runs once per optimizer, with the same step number (the
+    training step's, which counts accumulation groups).
 
     Args:
-        parts: The call's parts (callbacks, scheduler, the view the hooks get).
+        parts: The call's parts (callbacks, schedulers by optimizer name, the view the hooks get).
         state: The run's state (``global_step`` grows here).
-        interval: ``scheduler_interval`` as given (None: by the scheduler's type).
+        interval: ``scheduler_interval`` as given (None: by each scheduler's type).
     """
 
     def __init__(self, parts: Any, state: Any, interval: str | None):
         self.parts, self.state = parts, state
-        self.interval = resolve_interval(parts.scheduler, interval)
+        self.intervals = {name: resolve_interval(s, interval) for name, s in parts.schedulers.items()}
+        self.per_step = {name: s for name, s in parts.schedulers.items() if self.intervals[name] == "step"}
         # Only callbacks that override a hook are called: with none, fp16 gradients
         # are not unscaled for a hook nobody reads (clipping still unscales them).
         self.before = [cb for cb in parts.callbacks if _overrides(cb, "on_before_optimizer_step")]
         self.after = [cb for cb in parts.callbacks if _overrides(cb, "on_optimizer_step")]
 
-    def take(self, step: Any) -> int:
-        """One optimizer step through ``step`` (a :class:`~.step.Step`), hooks and scheduler; the new global step."""
-        n = self.state.global_step + 1
-        before: Callable[[], None] | None = functools.partial(self._before, n) if self.before else None
-        step.optimizer_step(before)
+    def before_step(self, n: int) -> None:
+        """``on_before_optimizer_step(handler, n)``: the gradients are final (unscaled, clipped)."""
+        for cb in self.before:
+            cb.on_before_optimizer_step(self.parts.view, n)
+
+    def after_step(self, name: str, n: int) -> None:
+        """After optimizer ``name`` stepped: ``global_step = n``, ``on_optimizer_step``, its per-step scheduler."""
         self.state.global_step = n
         for cb in self.after:
             cb.on_optimizer_step(self.parts.view, n)
-        if self.interval == "step":
-            self.parts.scheduler.step()
-        return n
+        scheduler = self.per_step.get(name)
+        if scheduler is not None:
+            scheduler.step()
 
-    def _before(self, n: int) -> None:
-        for cb in self.before:
-            cb.on_before_optimizer_step(self.parts.view, n)
+    def epoch_done(self, row: dict[str, Any]) -> None:
+        """The per-epoch schedulers' steps at the end of a completed epoch."""
+        for name, scheduler in self.parts.schedulers.items():
+            step_per_epoch(scheduler, self.intervals[name], row)

@@ -31,12 +31,12 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from ..checkpoint import (FORMAT, SHARDED_META, TMP_MARK, atomic_save, check_weights, fsync_dir, load_payload,
-                          load_weights)
+from ..checkpoint import SHARDED_META, TMP_MARK, atomic_save, check_weights, fsync_dir, load_weights
 from ..errors import CheckpointError
 from ..utils._collectives import check_collective_allowed, run_on_ranks, side_group
 from . import sharding as SH
@@ -48,9 +48,9 @@ def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> Non
     path = Path(path)
     tmp = _on_main(parts, functools.partial(_make_temp_dir, path), f"creating a directory beside {path}",
                    broadcast=True)
-    module, optimizer = parts.module, parts.optimizer
-    if optimizer is not None:
-        model_state, optimizer_state = get_state_dict(module, optimizer)
+    module, optimizers = _state_module(parts), list(parts.optimizers.values())
+    if optimizers:
+        model_state, optimizer_state = get_state_dict(module, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(module)}
@@ -62,11 +62,25 @@ def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> Non
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     meta = dict(payload)
-    meta["model"] = {}
-    if meta.get("optimizer") is not None:  # the param groups alone: resume checks their sizes before loading
-        meta["optimizer"] = {"state": {}, "param_groups": meta["optimizer"]["param_groups"]}
-    meta["sharded"] = {"world_size": parts.world_size, "optimizer": optimizer is not None}
+    # The weights are DCP's; of the optimizers, the param groups alone: resume checks their sizes before loading.
+    if "models" in meta:
+        meta["models"] = {name: {} for name in meta["models"]}
+        meta["optimizers"] = {name: _groups_only(o) for name, o in meta["optimizers"].items()}
+    else:
+        meta["model"], meta["optimizer"] = {}, _groups_only(meta.get("optimizer"))
+    meta["sharded"] = {"world_size": parts.world_size, "optimizer": bool(optimizers)}
     _on_main(parts, functools.partial(_commit, Path(tmp), path, meta), f"the commit of the checkpoint {path}")
+
+
+def _groups_only(optimizer_state: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if optimizer_state is None else {"state": {}, "param_groups": optimizer_state["param_groups"]}
+
+
+def _state_module(parts: Parts) -> nn.Module:
+    """What DCP saves and loads: the one model (keys as in its ``state_dict``), or the models in one
+    ``ModuleDict`` (keys ``<name>.<key>``), so that any optimizer, of whichever models, is found by name."""
+    modules = parts.modules
+    return nn.ModuleDict(modules) if parts.named else modules["model"]
 
 
 def _on_main(parts: Parts, fn, what: str, broadcast: bool = False) -> Any:
@@ -117,31 +131,38 @@ def plain_keys(weights: Mapping[str, Any]) -> dict[str, Any]:
     return {key.replace(_COMPILED, ""): value for key, value in weights.items()}
 
 
-def load(parts: Parts, payload: Mapping[str, Any], path: str | os.PathLike, resume: bool) -> bool:
-    """Load the weights of ``payload`` (and with ``resume`` the optimizer) into ``parts``; call it on every rank.
+def load(parts: Parts, saved: Mapping[str, Mapping[str, Any]], directory: bool, path: str | os.PathLike,
+         resume: bool) -> bool:
+    """Load the weights of ``saved`` (and with ``resume`` the optimizers) into ``parts``; call it on every rank.
 
-    Handles every pairing of checkpoint and model: a sharded directory into a
-    sharded or a plain model (any number of ranks), a single file into a
-    sharded model, a single file into a plain one.
+    ``saved``: a checkpoint's states by name (``models``, ``optimizers``);
+    ``directory``: it is a sharded checkpoint directory. Handles every
+    pairing of checkpoint and model: a sharded directory into sharded or
+    plain models (any number of ranks), a single file into sharded models,
+    a single file into plain ones. Every model's weights are checked before
+    any is loaded.
 
     Returns:
-        True when the optimizer state was loaded here too.
+        True when the optimizers' states were loaded here too.
 
     Raises:
-        CheckpointMismatchError: The weights do not fit the model (keys named).
+        CheckpointMismatchError: The weights do not fit the models (keys named).
         CheckpointError: DCP could not read the directory.
     """
-    with_optimizer = resume and parts.optimizer is not None and payload.get("optimizer") is not None
-    if payload.get("sharded") is not None:
-        _load_directory(parts, Path(path), with_optimizer)
+    module = _state_module(parts)
+    with_optimizer = resume and bool(parts.optimizers) and any(o is not None for o in saved["optimizers"].values())
+    if directory:
+        _load_directory(parts, module, Path(path), with_optimizer)
         return with_optimizer
-    if SH.is_sharded(parts.module):
-        SH.load_full_state(parts.module, plain_keys(payload["model"]),
-                           parts.optimizer if with_optimizer else None,
-                           payload["optimizer"] if with_optimizer else None, source=str(path))
-        return with_optimizer
-    load_weights(parts.module, plain_keys(payload["model"]), source=str(path))
-    return False
+    models = {name: plain_keys(weights) for name, weights in saved["models"].items()}
+    weights = {f"{name}.{k}": v for name, w in models.items() for k, v in w.items()} if parts.named else models["model"]
+    if not parts.sharded:
+        load_weights(module, weights, source=str(path))
+        return False
+    optimizers = dict(parts.optimizers) if with_optimizer else {}
+    SH.load_full_state(module, weights, list(optimizers.values()), [saved["optimizers"][n] for n in optimizers],
+                       source=str(path))
+    return with_optimizer
 
 
 def check_complete(path: str | os.PathLike) -> None:
@@ -176,8 +197,7 @@ def _read_metadata(path: Path):
     return dcp.FileSystemReader(str(path)).read_metadata()
 
 
-def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
-    module = parts.module
+def _load_directory(parts: Parts, module: nn.Module, path: Path, with_optimizer: bool) -> None:
     check_complete(path)
     # Names and shapes from DCP's metadata first: a checkpoint that does not
     # fit is refused by name before anything is loaded.
@@ -185,8 +205,9 @@ def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
     shapes = {k[len("model."):]: torch.empty(tuple(getattr(v, "size", ())), device="meta")
               for k, v in saved.items() if k.startswith("model.")}
     check_weights(module, shapes, source=str(path))
+    optimizers = list(parts.optimizers.values())
     if with_optimizer:
-        model_state, optimizer_state = get_state_dict(module, parts.optimizer)
+        model_state, optimizer_state = get_state_dict(module, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(module)}
@@ -196,8 +217,7 @@ def _load_directory(parts: Parts, path: Path, with_optimizer: bool) -> None:
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"could not load the sharded checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     if with_optimizer:
-        set_state_dict(module, parts.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
         set_model_state_dict(module, state["model"])
 
@@ -208,20 +228,8 @@ def check_every_rank_runs(parts: Parts, what: str, sharded_only: bool = False) -
     Without this it would wait for the other ranks until the stall watchdog
     ends it. ``sharded_only``: only a sharded (FSDP) model's call needs them.
     """
-    if parts.in_group and (not sharded_only or SH.is_sharded(parts.module)):
+    if parts.in_group and (not sharded_only or parts.sharded):
         check_collective_allowed(what)
-
-
-def load_model(parts: Parts, path: str | os.PathLike) -> None:
-    """:meth:`NNHandler.load_model`: weights from a ``state_dict`` file, a checkpoint file or a checkpoint directory."""
-    check_every_rank_runs(parts, "NNHandler.load_model", sharded_only=True)  # a sharded load is a collective
-    payload = load_payload(path)
-    if isinstance(payload, dict) and payload.get("format") == FORMAT:
-        load(parts, payload, path, resume=False)
-        return
-    if not isinstance(payload, Mapping):
-        raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a state_dict")
-    load(parts, {"model": payload}, path, resume=False)
 
 
 @contextlib.contextmanager

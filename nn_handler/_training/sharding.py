@@ -133,13 +133,13 @@ def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state(module: nn.Module, weights: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None,
-                    optimizer_state: Mapping[str, Any] | None = None, *, source: str = "checkpoint") -> None:
-    """Load a plain (single-file) ``state_dict``, and optionally an optimizer's, into a sharded model on every rank.
+def load_full_state(module: nn.Module, weights: Mapping[str, Any], optimizers: list[torch.optim.Optimizer] = (),
+                    optimizer_states: list[Mapping[str, Any]] = (), *, source: str = "checkpoint") -> None:
+    """Load a plain (single-file) ``state_dict``, and optionally optimizers', into a sharded model on every rank.
 
-    Each rank keeps its shard of the full tensors. The optimizer state is the
+    Each rank keeps its shard of the full tensors. Each optimizer state is the
     ``optimizer.state_dict()`` of the same model unsharded (parameters by
-    index, in the order the optimizer was built); it is matched to this
+    index, in the order the optimizer was built); it is matched to its
     optimizer's parameters by position.
 
     Raises:
@@ -148,13 +148,15 @@ def load_full_state(module: nn.Module, weights: Mapping[str, Any], optimizer: to
     check_weights(module, weights, source=source)  # a DTensor's shape is the full one
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(module, dict(weights), options=options)
-    if optimizer is not None and optimizer_state is not None:
-        names = {id(p): name for name, p in module.named_parameters()}
-        saved_groups, by_name = optimizer_state["param_groups"], {}
-        groups = []
-        for saved, group in zip(saved_groups, optimizer.param_groups):
+    if not optimizers:
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    state, groups = {}, []
+    for optimizer, optimizer_state in zip(optimizers, optimizer_states):
+        by_name = {}
+        for saved, group in zip(optimizer_state["param_groups"], optimizer.param_groups):
             fqns = [names[id(p)] for p in group["params"]]
             by_name.update(zip(saved["params"], fqns))
             groups.append({**saved, "params": fqns})
-        state = {by_name[i]: s for i, s in optimizer_state["state"].items()}
-        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
+        state.update({by_name[i]: s for i, s in optimizer_state["state"].items()})
+    set_optimizer_state_dict(module, list(optimizers), {"state": state, "param_groups": groups}, options=options)

@@ -32,7 +32,7 @@ def run_example(name: str, *args: str, torchrun: bool = False, env: dict | None 
 
 
 TESTED = {"quickstart.py", "process_on_gpu.py", "matrix_multiply.py", "executor_context.py", "checkpoint_rank0.py",
-          "train_ddp.py", "predict.py", "ddp_init.py", "hf_finetune.py",
+          "train_ddp.py", "predict.py", "ddp_init.py", "hf_finetune.py", "gan.py",
           "ray_train.py"}  # needs Ray: run by tests/cluster/test_ray_train.py
 
 
@@ -127,6 +127,20 @@ def test_train_ddp_without_matplotlib_skips_the_plot_in_one_line(tmp_path):
     assert out.count("matplotlib") == 1, out
     assert "no loss_curve.png: matplotlib is not installed (pip install 'nn_handler[plot]')" in out
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt", "history.csv", "model.pt"]
+
+
+def _gan_losses(out: str) -> list[tuple[float, float]]:
+    return [(float(d), float(g)) for d, g in re.findall(r"^epoch \d+: loss_d=(\d+\.\d+) loss_g=(\d+\.\d+)$", out, re.M)]
+
+
+def test_gan_in_one_process_and_with_launch(tmp_path):
+    one = run_example("gan.py", "--epochs", "3", "--samples", "512")
+    assert len(_gan_losses(one)) == 3, one
+    assert re.search(r"^one process: 1 rank\(s\), 3 epochs in [\d.]+ s; generated points lie at radius", one, re.M)
+    two = run_example("gan.py", "--epochs", "2", "--samples", "512", "--nprocs", "2", "--out", str(tmp_path))
+    assert len(_gan_losses(two)) == 2 and re.search(r"^launch: 2 rank\(s\), 2 epochs", two, re.M), two
+    exported = torch.load(tmp_path / "gan.pt", weights_only=True)  # both models by name, from rank 0
+    assert set(exported) == {"G", "D"}
 
 
 def test_predict():
