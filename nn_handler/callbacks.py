@@ -409,7 +409,9 @@ class EMA(Callback):
     step copies the weights), with torch's ``AveragedModel`` and
     ``get_ema_multi_avg_fn``. The average is in checkpoints (the callback's
     state) and restored on resume, so a resumed run's average equals the
-    uninterrupted run's. Under DDP every rank keeps the same average (its
+    uninterrupted run's; after :meth:`NNHandler.load_checkpoint` (of the
+    last or the best checkpoint, say) the average is usable at once, to
+    evaluate, predict or export without training more. Under DDP every rank keeps the same average (its
     weights are the same); ``strategy="fsdp"`` is refused (each rank holds
     only shards of the weights).
 
@@ -421,7 +423,7 @@ class EMA(Callback):
 
     Attributes:
         module: The ``torch.optim.swa_utils.AveragedModel`` (None before
-            training starts); ``ema.module(x)`` runs the averaged model,
+            training starts or a checkpoint is loaded); ``ema.module(x)`` runs the averaged model,
             ``ema.module.module`` is the averaged copy of the model itself.
 
     Example:
@@ -447,9 +449,19 @@ class EMA(Callback):
         self._loaded: dict[str, Any] | None = None  # a checkpoint's average, loaded before the model is known
 
     def on_train_begin(self, handler):
+        _refuse_sharded(handler.module)
+        self._build(handler)
+
+    def on_load_checkpoint(self, handler, payload):
+        # Usable at once: loading the final or best checkpoint to evaluate or export its average is the common
+        # use, and training more to reach it would change it. A sharded model is refused when training starts.
+        if self._loaded is not None and not _is_sharded(handler.module):
+            self._build(handler)
+
+    def _build(self, handler: TrainerView) -> None:
+        """The ``AveragedModel`` over ``handler``'s model, holding a loaded average if there is one."""
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-        _refuse_sharded(handler.module)
         if self.module is None:
             self.module = AveragedModel(handler.module, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                         use_buffers=self.use_buffers)
@@ -468,8 +480,11 @@ class EMA(Callback):
         own average). Inside, ``evaluate``, ``predict`` and ``export_model``
         use the average.
         """
+        if self.module is None and self._loaded is not None:
+            self._build(handler)  # an average restored with load_state_dict alone
         if self.module is None:
-            raise RuntimeError("EMA has no average yet: train with this callback first")
+            raise RuntimeError("EMA has no average yet: train with this callback, or load a checkpoint that holds "
+                               "its average (NNHandler.load_checkpoint with this callback attached)")
         live = handler.module
         saved = {k: v.detach().clone() for k, v in live.state_dict().items()}
         averaged = self.module.module.state_dict()
@@ -495,11 +510,15 @@ class EMA(Callback):
             self._loaded = average
 
 
-def _refuse_sharded(module: Any) -> None:
+def _is_sharded(module: Any) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2 cannot have sharded it
-        return
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _refuse_sharded(module: Any) -> None:
+    if _is_sharded(module):
         raise ConfigurationError("EMA keeps a whole copy of the weights and strategy='fsdp' holds shards of them "
                                  "on each rank: use EMA with strategy='ddp' (or one process)")

@@ -69,6 +69,41 @@ def test_ema_average_is_in_checkpoints_and_restored_before_training(tmp_path):
     assert int(restored.module.n_averaged) == 10
 
 
+def test_ema_loaded_from_a_checkpoint_is_usable_without_training(tmp_path):
+    ema = EMA(decay=0.9)
+    handler = make([ema])
+    handler.train(2, progress=False)
+    handler.save_checkpoint(tmp_path / "final.ckpt")
+    X = make_data(16, seed=1)[0]
+    with ema.swapped(handler):
+        expected_loss, expected = handler.evaluate()["loss"], handler.predict(X)
+    for resume in (False, True):
+        loaded = EMA(decay=0.9)
+        fresh = make([loaded])
+        if resume:
+            fresh.load_checkpoint(tmp_path / "final.ckpt")
+        else:  # the average restored by the callback's own load_state_dict, no handler load
+            fresh.load_checkpoint(tmp_path / "final.ckpt", resume=False)
+            loaded.load_state_dict(torch.load(tmp_path / "final.ckpt", weights_only=True)["callbacks"]["EMA"])
+        if resume:
+            assert loaded.module is not None and int(loaded.module.n_averaged) == 10
+        with loaded.swapped(fresh):
+            assert fresh.evaluate()["loss"] == expected_loss
+            assert torch.equal(fresh.predict(X), expected)
+            fresh.export_model(tmp_path / "ema.pt")
+        assert all(torch.equal(torch.load(tmp_path / "ema.pt", weights_only=True)[k], v)
+                   for k, v in ema.module.module.state_dict().items())
+        assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), handler.module.parameters()))
+    assert fresh.train(2, progress=False) is fresh.history  # a finished run: nothing to do, the average stays
+    assert int(loaded.module.n_averaged) == 10
+
+
+def test_ema_without_an_average_says_how_to_get_one():
+    with pytest.raises(RuntimeError, match="train with this callback, or load a checkpoint"):
+        with EMA().swapped(make()):
+            pass
+
+
 def test_ema_refuses_bad_decay_and_sharded_models():
     with pytest.raises(ConfigurationError, match=r"decay must be a number in \(0, 1\), got 1"):
         EMA(decay=1)
