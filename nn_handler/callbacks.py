@@ -170,8 +170,12 @@ class _Monitor:
         self.monitor, self.mode, self.min_delta = monitor, mode, float(min_delta)
         self.best: float | None = None
 
-    def value(self, logs: dict[str, Any], who: str) -> float:
+    def value(self, logs: dict[str, Any], who: str, handler: Any = None) -> float | None:
+        """The monitored value of an epoch's row; None for an epoch that was not validated (``validate_every``)."""
         value = logs.get(self.monitor)
+        if value is None and self.monitor.startswith("val_") and "val_loss" not in logs \
+                and getattr(handler, "val_loader", None) is not None:
+            return None  # train(validate_every=k): this epoch has no validation values to decide from
         if value is None:
             hint = " (set a validation loader with set_val_loader)" if self.monitor.startswith("val_") else ""
             raise ValueError(
@@ -196,7 +200,9 @@ class EarlyStopping(Callback):
     The monitored value is reduced over all ranks before this runs, and the
     handler agrees on the stop flag across ranks, so every rank stops after
     the same epoch. Part of an epoch (``handler.partial_epoch``) counts for
-    nothing: the whole epoch decides once it is complete.
+    nothing: the whole epoch decides once it is complete. With
+    ``train(validate_every=k)`` and a ``val_`` monitor, only validated epochs
+    count (``patience`` is in validations).
 
     Args:
         monitor: History key, e.g. ``"val_loss"``, ``"train_loss"``, ``"val_acc"``.
@@ -233,7 +239,9 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, handler, epoch, logs):
         if getattr(handler, "partial_epoch", False):
             return
-        value = self._monitor.value(logs, "EarlyStopping")
+        value = self._monitor.value(logs, "EarlyStopping", handler)
+        if value is None:  # not validated this epoch: neither better nor worse
+            return
         if self._monitor.improved(value):
             self._monitor.best, self.wait = value, 0
             return
@@ -261,7 +269,10 @@ class ModelCheckpoint(Callback):
     write is atomic; each file resumes training with
     :meth:`NNHandler.load_checkpoint`. Where ``max_steps`` or ``max_time``
     stops an epoch part-way, only ``last.ckpt`` is written (it resumes at the
-    next batch): the epoch's file and "best" wait for the whole epoch.
+    next batch): the epoch's file and "best" wait for the whole epoch. With
+    ``train(validate_every=k)`` and a ``val_`` monitor, ``save_top_k`` and
+    ``save_best_only`` rank and save on the validated epochs; the others
+    write ``last.ckpt`` only.
 
     Args:
         dirpath: Directory for the files (created when needed).
@@ -308,22 +319,27 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, handler, epoch, logs):
         if epoch % self.every_n_epochs == 0 and not getattr(handler, "partial_epoch", False):
-            if self.save_top_k is not None:
-                self._save_top_k(handler, epoch, self._monitor.value(logs, "ModelCheckpoint"))
-            elif self.save_best_only:
-                value = self._monitor.value(logs, "ModelCheckpoint")
-                if self._monitor.improved(value):
-                    self._monitor.best = value
-                    self.best_path = str(self.dirpath / "best.ckpt")
-                    handler.save_checkpoint(self.best_path)
-            else:
-                value = logs.get(self._monitor.monitor)
-                path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
-                if value is not None and self._monitor.improved(float(value)):
-                    self._monitor.best, self.best_path = float(value), path
-                handler.save_checkpoint(path)
+            self._save_epoch(handler, epoch, logs)
         if self.save_last:
             handler.save_checkpoint(self.dirpath / "last.ckpt")
+
+    def _save_epoch(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
+        path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
+        if self.save_top_k is None and not self.save_best_only:  # every epoch's file; "best" where there is a value
+            value = logs.get(self._monitor.monitor)
+            if value is not None and self._monitor.improved(float(value)):
+                self._monitor.best, self.best_path = float(value), path
+            handler.save_checkpoint(path)
+            return
+        value = self._monitor.value(logs, "ModelCheckpoint", handler)
+        if value is None:
+            return  # not validated (train(validate_every=k)): ranked on the epochs that have the value
+        if self.save_top_k is not None:
+            self._save_top_k(handler, epoch, value)
+        elif self._monitor.improved(value):
+            self._monitor.best = value
+            self.best_path = str(self.dirpath / "best.ckpt")
+            handler.save_checkpoint(self.best_path)
 
     def _rank(self, value: float, epoch: int) -> tuple:
         """Sort key, best first: NaN last, then by value, then the earlier epoch."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import ConfigurationError, ModelCheckpoint, NNHandler
+from nn_handler import ConfigurationError, EarlyStopping, ModelCheckpoint, NNHandler
 from scripts.handler_case import make_data, make_model, mae
 
 
@@ -172,6 +172,30 @@ def test_save_top_k_with_a_real_run_and_its_checkpoint_state(tmp_path):
     assert files(tmp_path) == sorted(f"epoch={e:04d}.ckpt" for e in best)
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["ModelCheckpoint"]
     assert sorted(int(e) for _, _, e in state["kept"]) == sorted(best)
+
+
+def test_validate_every_ranks_and_stops_on_the_validated_epochs_and_keeps_last_on_the_others(tmp_path):
+    top, best = ModelCheckpoint(tmp_path / "top", save_top_k=1), ModelCheckpoint(tmp_path / "best", save_best_only=True)
+    handler = make([top, best])
+    handler.train(5, validate_every=2, progress=False)
+    validated = {e: v for e, v in zip(handler.history["epoch"], handler.history["val_loss"]) if v is not None}
+    assert sorted(validated) == [2, 4]
+    winner = min(validated, key=validated.get)
+    assert files(tmp_path / "top") == [f"epoch={winner:04d}.ckpt"]
+    assert sorted(os.listdir(tmp_path / "best")) == ["best.ckpt", "last.ckpt"]
+    assert best.best == top.best == validated[winner]
+    for directory in ("top", "best"):  # last.ckpt after every epoch, the unvalidated 5th included
+        assert torch.load(tmp_path / directory / "last.ckpt", weights_only=True)["epoch"] == 5
+    # This validation set's loss goes up: epoch 4 is the first validation without improvement.
+    assert validated[4] > validated[2]
+    stopper = EarlyStopping("val_loss", patience=1)
+    make([stopper]).train(8, validate_every=2, progress=False)
+    assert stopper.stopped_epoch == 4 and stopper.best == pytest.approx(validated[2])
+
+
+def test_a_val_monitor_without_a_validation_loader_is_still_refused(tmp_path):
+    with pytest.raises(ValueError, match="set a validation loader"):
+        make([ModelCheckpoint(tmp_path, save_top_k=1)], val=False).train(2, validate_every=2, progress=False)
 
 
 def test_save_top_k_checks_its_arguments():
