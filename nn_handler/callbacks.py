@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol, runtime_checkable
 
 from ._checks import check_bool, check_choice, check_int, check_number, invalid
+from .checkpoint import run_checkpoint_name
 from .errors import ConfigurationError
 from .utils.ddp import is_main_process
 
@@ -262,7 +263,7 @@ class EarlyStopping(Callback):
 class ModelCheckpoint(Callback):
     """Save full training checkpoints while training.
 
-    Files in ``dirpath``: ``epoch=NNNN.ckpt`` every ``every_n_epochs`` epochs
+    Files in ``dirpath``: ``epoch-NNNN.ckpt`` (the names ``checkpoint_dir`` uses) every ``every_n_epochs`` epochs
     (with ``save_top_k=k``, only the ``k`` best by ``monitor``, the others
     deleted; with ``save_best_only``, ``best.ckpt`` instead, only when
     ``monitor`` improved) and ``last.ckpt`` after every epoch when ``save_last``. Each
@@ -304,7 +305,7 @@ class ModelCheckpoint(Callback):
         check_int("save_top_k", save_top_k, minimum=1, allow_none=True)
         if save_top_k is not None and save_best_only:
             raise ConfigurationError("save_best_only=True keeps one best.ckpt and save_top_k keeps the k best epoch "
-                                     "files: choose one (save_top_k=1 keeps one epoch=NNNN.ckpt)")
+                                     "files: choose one (save_top_k=1 keeps one epoch-NNNN.ckpt)")
         self.dirpath = Path(dirpath)
         self._monitor = _Monitor(monitor, mode)
         self.save_best_only, self.save_last, self.every_n_epochs = save_best_only, save_last, every_n_epochs
@@ -317,6 +318,16 @@ class ModelCheckpoint(Callback):
         """The best monitored value among the saved checkpoints."""
         return self._monitor.best
 
+    def on_train_begin(self, handler):
+        run_dir = getattr(handler, "checkpoint_dir", None)
+        if run_dir is not None and not self.save_best_only and Path(run_dir).resolve() == self.dirpath.resolve():
+            # Both would write epoch-NNNN.ckpt there, and each prunes: the run would delete the best files,
+            # save_top_k the newest one that a resume needs.
+            raise ConfigurationError(
+                f"ModelCheckpoint's dirpath is the handler's checkpoint_dir ({run_dir}): both write epoch-NNNN.ckpt "
+                f"files there and each deletes the other's; give ModelCheckpoint a directory of its own "
+                f"(e.g. {Path(run_dir) / 'best'}), or save_best_only=True (best.ckpt and last.ckpt share it safely)")
+
     def on_epoch_end(self, handler, epoch, logs):
         if epoch % self.every_n_epochs == 0 and not getattr(handler, "partial_epoch", False):
             self._save_epoch(handler, epoch, logs)
@@ -324,7 +335,7 @@ class ModelCheckpoint(Callback):
             handler.save_checkpoint(self.dirpath / "last.ckpt")
 
     def _save_epoch(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
-        path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
+        path = str(self.dirpath / run_checkpoint_name(epoch))
         if self.save_top_k is None and not self.save_best_only:  # every epoch's file; "best" where there is a value
             value = logs.get(self._monitor.monitor)
             if value is not None and self._monitor.improved(float(value)):
@@ -349,12 +360,13 @@ class ModelCheckpoint(Callback):
     def _save_top_k(self, handler: TrainerView, epoch: int, value: float) -> None:
         if math.isnan(value):
             return
-        path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
-        kept = [entry for entry in self.kept if entry[0] != path]  # a rerun epoch replaces its own entry
+        path = str(self.dirpath / run_checkpoint_name(epoch))
+        # A rerun epoch replaces its own entry, also one of nn_handler <= 0.1's epoch=NNNN.ckpt names.
+        kept = [entry for entry in self.kept if entry[2] != epoch]
         ranked = sorted(kept + [(path, value, epoch)], key=lambda e: self._rank(e[1], e[2]))
         if ranked.index((path, value, epoch)) >= self.save_top_k:
             return  # not among the k best: nothing written, nothing deleted
-        dropped = ranked[self.save_top_k:]
+        dropped = ranked[self.save_top_k:] + [e for e in self.kept if e[2] == epoch and e[0] != path]
         # The list is updated before the write, so the checkpoint holds the list it belongs to.
         self.kept = ranked[:self.save_top_k]
         self._monitor.best, self.best_path = self.kept[0][1], self.kept[0][0]

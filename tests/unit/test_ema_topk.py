@@ -132,26 +132,26 @@ def run_top_k(cb, values, start=1):
 
 
 def files(directory):
-    return sorted(p for p in os.listdir(directory) if p.startswith("epoch="))
+    return sorted(p for p in os.listdir(directory) if p.startswith("epoch-"))
 
 
 def test_save_top_k_keeps_the_k_best_and_deletes_the_rest(tmp_path):
     cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     tmp_path.mkdir(exist_ok=True)
     run_top_k(cb, [3.0, 1.0, 2.0, 0.5, 2.5, float("nan")])
-    assert files(tmp_path) == ["epoch=0002.ckpt", "epoch=0004.ckpt"]
-    assert cb.best == 0.5 and cb.best_path.endswith("epoch=0004.ckpt")
+    assert files(tmp_path) == ["epoch-0002.ckpt", "epoch-0004.ckpt"]
+    assert cb.best == 0.5 and cb.best_path.endswith("epoch-0004.ckpt")
     maximize = ModelCheckpoint(tmp_path / "max", mode="max", save_top_k=1, save_last=False)
     (tmp_path / "max").mkdir()
     run_top_k(maximize, [1.0, 3.0, 2.0])
-    assert files(tmp_path / "max") == ["epoch=0002.ckpt"]
+    assert files(tmp_path / "max") == ["epoch-0002.ckpt"]
 
 
 def test_save_top_k_ties_keep_the_earlier_epoch(tmp_path):
     cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     run_top_k(cb, [1.0, 1.0, 1.0, 0.9])
     # Epoch 3 tied the worst kept (epoch 2, later than epoch 1): not saved; 0.9 then drops epoch 2.
-    assert files(tmp_path) == ["epoch=0001.ckpt", "epoch=0004.ckpt"]
+    assert files(tmp_path) == ["epoch-0001.ckpt", "epoch-0004.ckpt"]
 
 
 def test_save_top_k_goes_on_pruning_after_a_resume(tmp_path):
@@ -160,7 +160,7 @@ def test_save_top_k_goes_on_pruning_after_a_resume(tmp_path):
     resumed = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     resumed.load_state_dict(cb.state_dict())
     run_top_k(resumed, [1.0, 2.5], start=3)
-    assert files(tmp_path) == ["epoch=0002.ckpt", "epoch=0003.ckpt"]  # epoch 1's file, from before, deleted
+    assert files(tmp_path) == ["epoch-0002.ckpt", "epoch-0003.ckpt"]  # epoch 1's file, from before, deleted
 
 
 def test_save_top_k_with_a_real_run_and_its_checkpoint_state(tmp_path):
@@ -169,7 +169,7 @@ def test_save_top_k_with_a_real_run_and_its_checkpoint_state(tmp_path):
     handler.train(4, progress=False)
     losses = handler.history["val_loss"]
     best = sorted(range(1, 5), key=lambda e: losses[e - 1])[:2]
-    assert files(tmp_path) == sorted(f"epoch={e:04d}.ckpt" for e in best)
+    assert files(tmp_path) == sorted(f"epoch-{e:04d}.ckpt" for e in best)
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["ModelCheckpoint"]
     assert sorted(int(e) for _, _, e in state["kept"]) == sorted(best)
 
@@ -181,7 +181,7 @@ def test_validate_every_ranks_and_stops_on_the_validated_epochs_and_keeps_last_o
     validated = {e: v for e, v in zip(handler.history["epoch"], handler.history["val_loss"]) if v is not None}
     assert sorted(validated) == [2, 4]
     winner = min(validated, key=validated.get)
-    assert files(tmp_path / "top") == [f"epoch={winner:04d}.ckpt"]
+    assert files(tmp_path / "top") == [f"epoch-{winner:04d}.ckpt"]
     assert sorted(os.listdir(tmp_path / "best")) == ["best.ckpt", "last.ckpt"]
     assert best.best == top.best == validated[winner]
     for directory in ("top", "best"):  # last.ckpt after every epoch, the unvalidated 5th included
@@ -196,6 +196,41 @@ def test_validate_every_ranks_and_stops_on_the_validated_epochs_and_keeps_last_o
 def test_a_val_monitor_without_a_validation_loader_is_still_refused(tmp_path):
     with pytest.raises(ValueError, match="set a validation loader"):
         make([ModelCheckpoint(tmp_path, save_top_k=1)], val=False).train(2, validate_every=2, progress=False)
+
+
+def test_model_checkpoint_names_its_files_as_checkpoint_dir_does(tmp_path):
+    from nn_handler.checkpoint import list_run_checkpoints, run_checkpoint_key
+
+    handler = make([ModelCheckpoint(tmp_path / "every")], checkpoint_dir=tmp_path / "run", keep_last=5)
+    handler.train(3, progress=False)
+    assert files(tmp_path / "every") == sorted(os.listdir(tmp_path / "run")) == [f"epoch-000{e}.ckpt" for e in (1, 2, 3)]
+    assert [run_checkpoint_key(name) for name in files(tmp_path / "every")] == [(1, 0), (2, 0), (3, 0)]
+    # A save_best_only callback shares the run's directory: resume="auto" continues the run's newest file.
+    for epochs in (2, 3):
+        shared = make([ModelCheckpoint(tmp_path / "shared", save_best_only=True)], checkpoint_dir=tmp_path / "shared",
+                      resume="auto")
+        shared.train(epochs, progress=False)
+    assert shared.history["epoch"] == [1, 2, 3] and shared.global_step == 15
+    assert sorted(os.listdir(tmp_path / "shared")) == ["best.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt", "last.ckpt"]
+    assert [p.name for p in list_run_checkpoints(tmp_path / "shared")] == ["epoch-0002.ckpt", "epoch-0003.ckpt"]
+
+
+def test_model_checkpoint_epoch_files_in_the_runs_own_directory_are_refused_before_training(tmp_path):
+    handler = make([ModelCheckpoint(tmp_path, save_top_k=2)], checkpoint_dir=tmp_path)
+    with pytest.raises(ConfigurationError, match=r"dirpath is the handler's checkpoint_dir .*directory of its own"):
+        handler.train(2, progress=False)
+    assert handler.global_step == 0 and os.listdir(tmp_path) == []
+
+
+def test_save_top_k_resumed_from_a_list_with_the_old_names_goes_on_pruning_it(tmp_path):
+    old = [str(tmp_path / f"epoch={e:04d}.ckpt") for e in (1, 2, 3)]  # nn_handler <= 0.1's names
+    for path in old:
+        open(path, "w").close()
+    cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
+    cb.load_state_dict({"best": 1.0, "best_path": old[0], "kept": [[old[0], 1.0, 1], [old[2], 3.0, 3]]})
+    run_top_k(cb, [0.5, 2.0], start=3)  # epoch 3 again (resumed from epoch 2's checkpoint), then epoch 4
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch=0001.ckpt", "epoch=0002.ckpt"]
+    assert [e for _, _, e in cb.kept] == [3, 1]
 
 
 def test_save_top_k_checks_its_arguments():

@@ -203,7 +203,7 @@ def test_csv_logger_and_model_checkpoint(tmp_path, data):
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
     assert list(rows[0]) == history.keys()
     assert [float(r["val_loss"]) for r in rows] == pytest.approx(history["val_loss"])
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0002.ckpt", "epoch=0004.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch-0002.ckpt", "epoch-0004.ckpt", "last.ckpt"]
 
 
 def test_model_checkpoint_save_best_only(tmp_path, data):
