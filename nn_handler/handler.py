@@ -480,7 +480,7 @@ class NNHandler:
         return evaluation.evaluate(self._parts(), self.config, loader)
 
     def predict(self, data: Any, batch_size: int | None = None, *, data_parallel: bool = False,
-                device_ids: Sequence[int | str] | None = None) -> Any:
+                device_ids: Sequence[int | str] | None = None, padding_value: float = -100) -> Any:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -498,9 +498,12 @@ class NNHandler:
                 (one worker per device, batches spread dynamically).
             device_ids: Devices for ``data_parallel`` (all GPUs by default;
                 ``["cpu", "cpu"]`` for CPU workers).
+            padding_value: Where batches' outputs differ in length (a collate that pads each batch to its
+                longest row), the shorter are padded to the longest with this (docs/training.md).
 
         Returns:
-            The concatenated outputs: a tensor, or for a mapping output (``ModelOutput``) that mapping of tensors.
+            The concatenated outputs: a tensor, a tuple (of tuples) of them, or for a mapping output (``ModelOutput``)
+            that mapping; a scalar (a loss) is left out of a mapping, None in a tuple.
 
         Example:
             >>> import torch
@@ -511,7 +514,7 @@ class NNHandler:
         if data_parallel:
             return evaluation.predict_data_parallel(self._parts(), self.config, data, batch_size, device_ids)
         loader = D.predict_loader(data, batch_size, self._parallel, self.config.seed)
-        return evaluation.predict(self._parts(), self.config, loader)
+        return evaluation.predict(self._parts(), self.config, loader, padding_value)
 
     # ------------------------------------------------------------------ checkpoints
 

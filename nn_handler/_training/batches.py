@@ -127,16 +127,37 @@ def size_of(inputs: Any, targets: Any) -> int:
     raise ValueError("cannot tell the batch size: neither targets nor inputs hold a tensor with a batch dimension")
 
 
-def head(obj: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch-shaped object (tensors in tuples, lists, dicts, dataclasses; scalars kept)."""
+def head(obj: Any, n: int, rows: int | None = None) -> Any:
+    """The first ``n`` samples of a batch-shaped object (tensors in tuples, lists, dicts, dataclasses; scalars kept).
+
+    With ``rows`` (the batch size), a list of ``rows`` entries that holds no tensor is one entry per sample
+    (``default_collate`` makes one of a string field) and is cut too.
+
+    Example:
+        >>> import torch
+        >>> head({"x": torch.arange(3), "name": ["a", "b", "c"]}, 2, rows=3)
+        {'x': tensor([0, 1]), 'name': ['a', 'b']}
+    """
+    if rows is not None:
+        obj = _cut_sample_lists(obj, n, rows)
     return apply(obj, lambda t: t[:n] if t.dim() > 0 else t)
 
 
-def cut(inputs: Any, targets: Any, n: int) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of the batch's first ``n`` samples (a mapping's labels are cut with it)."""
+def _cut_sample_lists(obj: Any, n: int, rows: int) -> Any:
+    if isinstance(obj, list) and len(obj) == rows and next(tensors(obj), None) is None:
+        return obj[:n]
+    if type(obj) is dict:
+        return {k: _cut_sample_lists(v, n, rows) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_cut_sample_lists(v, n, rows) for v in obj)
+    return obj
+
+
+def cut(inputs: Any, targets: Any, n: int, rows: int | None = None) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of the batch's first ``n`` of ``rows`` samples (a mapping's labels are cut with it)."""
     if isinstance(inputs, Mapping):
-        return split(head(inputs, n))
-    return head(inputs, n), head(targets, n)
+        return split(head(inputs, n, rows))
+    return head(inputs, n, rows), head(targets, n, rows)
 
 
 def move(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
