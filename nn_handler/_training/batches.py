@@ -6,7 +6,8 @@ Three shapes of batch, asked about here by the loop, evaluation and prediction a
 - inputs alone (a tensor, a 1-tuple): ``model(inputs)``, no targets (prediction);
 - a ``Mapping`` (``{"input_ids": ..., "labels": ...}``, a Hugging Face ``BatchEncoding``):
   ``model(**batch)``; its targets are its ``"labels"`` entry when there is one (the
-  Hugging Face convention), else None.
+  Hugging Face convention), else None. A model whose ``forward`` takes no ``labels``
+  (and no ``**kwargs``) is called without them.
 
 The loss is ``loss_fn(outputs, targets)``, or with no ``loss_fn`` the output's own
 ``loss`` (an attribute, as Hugging Face's ``ModelOutput`` has, or a ``"loss"`` key), as
@@ -28,14 +29,17 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .._tree import apply, tensors, to_device
 from ..errors import ConfigurationError
+from ..utils._models.wrap import unwrap_parallel_model
 
-__all__ = ["split", "call", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets", "outputs_of"]
+__all__ = ["split", "call", "takes_labels", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets", "outputs_of"]
 
 NO_LOSS = ("no loss function: pass loss_fn= to NNHandler or call set_loss_fn(), or give a model that returns its "
            "own loss (an output with a `loss` attribute or key, as Hugging Face models do when the batch holds "
@@ -67,10 +71,50 @@ def split(batch: Any) -> tuple[Any, Any]:
 
 
 def call(model: Callable, inputs: Any) -> Any:
-    """The model's outputs: ``model(**inputs)`` for a mapping, else ``model(inputs)``."""
+    """The model's outputs: ``model(**inputs)`` for a mapping, else ``model(inputs)``.
+
+    A model that takes no ``labels`` (:func:`takes_labels`) is called without them.
+
+    Example:
+        >>> import torch
+        >>> call(lambda input_ids: input_ids * 2, {"input_ids": torch.ones(2), "labels": torch.zeros(2)})
+        tensor([2., 2.])
+    """
     if isinstance(inputs, Mapping):
+        if "labels" in inputs and not takes_labels(model):
+            # The targets of loss_fn, not an argument of this model (the Hugging Face Trainer pops them too).
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
         return model(**inputs)
     return model(inputs)
+
+
+_TAKES_LABELS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def takes_labels(model: Callable) -> bool:
+    """True when the model's ``forward`` (inside DDP or ``torch.compile``) has a ``labels`` parameter or ``**kwargs``.
+
+    Example:
+        >>> import torch
+        >>> takes_labels(torch.nn.Linear(2, 2)), takes_labels(lambda x, **kwargs: x)
+        (False, True)
+    """
+    model = unwrap_parallel_model(model) if isinstance(model, torch.nn.Module) else model
+    if not isinstance(model, torch.nn.Module):
+        return _accepts_labels(model)
+    cls = type(model)
+    found = _TAKES_LABELS.get(cls)
+    if found is None:  # one signature read per class: this runs at every batch
+        found = _TAKES_LABELS[cls] = _accepts_labels(model.forward)
+    return found
+
+
+def _accepts_labels(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass them, as always
+        return True
+    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def check_targets(inputs: Any, targets: Any, loss_fn: Callable | None, what: str) -> None:

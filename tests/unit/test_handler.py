@@ -358,3 +358,38 @@ def test_non_finite_loss_on_cuda_is_caught_at_epoch_end_without_per_step_sync(da
     handler.set_train_loader((X, y), batch_size=BATCH, shuffle=False)
     with pytest.raises(NonFiniteLossError, match="step 2"):
         handler.train(1, progress=False)
+
+
+class NoLabels(nn.Module):
+    """A model whose forward takes the inputs by name and no ``labels``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_model_without_a_labels_parameter_gets_the_batch_without_them_and_trains_as_the_hand_written_loop():
+    X, y = make_data(40)
+    Xv, yv = make_data(12, seed=1)
+    samples = [{"x": a, "labels": b} for a, b in zip(X, y)]
+    handler = NNHandler(NoLabels(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cpu")
+    handler.set_train_loader(samples, batch_size=8, shuffle=False)
+    handler.set_val_loader([{"x": a, "labels": b} for a, b in zip(Xv, yv)], batch_size=8)
+    history = handler.train(2, progress=False)
+    model = NoLabels()
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.05), []
+    for _ in range(2):
+        for i in range(0, 40, 8):
+            loss = nn.functional.mse_loss(model(X[i:i + 8]), y[i:i + 8])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert history["train_loss"] == pytest.approx([sum(losses[:5]) / 5, sum(losses[5:]) / 5], rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(handler.module.parameters(), model.parameters()))
+    with torch.no_grad():
+        assert handler.evaluate()["loss"] == pytest.approx(nn.functional.mse_loss(model(Xv), yv).item(), rel=1e-6)
+        assert torch.equal(handler.predict([{"x": a, "labels": b} for a, b in zip(Xv, yv)]), model(Xv))
