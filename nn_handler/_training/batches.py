@@ -39,7 +39,8 @@ from .._tree import apply, tensors, to_device
 from ..errors import ConfigurationError
 from ..utils._models.wrap import unwrap_parallel_model
 
-__all__ = ["split", "call", "takes_labels", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets", "outputs_of"]
+__all__ = ["split", "call", "takes_labels", "loss_of", "own_loss", "size_of", "head", "cut", "move", "check_targets",
+           "outputs_of"]
 
 NO_LOSS = ("no loss function: pass loss_fn= to NNHandler or call set_loss_fn(), or give a model that returns its "
            "own loss (an output with a `loss` attribute or key, as Hugging Face models do when the batch holds "
