@@ -46,7 +46,7 @@ from ._training.config import Resume, TrainingConfig, check_for_device, config_p
 from ._training.loop import Limits, Loop
 from ._training.parts import Parts, wrap_model
 from ._training.precision import Precision
-from ._training.schedule import build_scheduler
+from ._training.schedule import build_scheduler, optimizer_steps_per_epoch
 from ._training.sharded_checkpoint import check_every_rank_runs, load_model
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
@@ -155,6 +155,7 @@ class NNHandler:
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).
         global_step: Optimizer steps taken.
+        steps_per_epoch: Optimizer steps an epoch makes on this rank (``ceil(batches / grad_accum_steps)``).
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
         config: The training knobs given to the constructor, validated (read-only; also readable as
@@ -269,6 +270,8 @@ class NNHandler:
     history = state_property("history", "The History of completed epochs.")
     partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
                              "or max_time stopped an epoch part-way (its hooks included) until it is continued.")
+    steps_per_epoch = property(lambda self: optimizer_steps_per_epoch(self.train_loader, self.grad_accum_steps), doc=
+                               "Optimizer steps an epoch makes on this rank, after accumulation: to size a schedule.")
     grad_accum_steps = config_property("grad_accum_steps")
     clip_grad_norm = config_property("clip_grad_norm")
     finite_check_every = config_property("finite_check_every")

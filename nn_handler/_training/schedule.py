@@ -17,13 +17,17 @@ A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
 HF Trainer also counts it in ``global_step`` but holds its scheduler back),
 so the LR is a function of ``global_step`` alone and a resume needs nothing more.
 
+A per-step schedule is sized in optimizer steps: :func:`optimizer_steps_per_epoch` (``handler.steps_per_epoch``)
+counts those of an epoch on this rank, as Lightning's ``estimated_stepping_batches`` does for a whole run.
+
 Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
-``scheduler_interval=``, ``set_scheduler``, the hooks of :class:`~nn_handler.Callback`).
+``scheduler_interval=``, ``set_scheduler``, ``steps_per_epoch``, the hooks of :class:`~nn_handler.Callback`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -84,6 +88,28 @@ def build_scheduler(scheduler: Any, kwargs: dict[str, Any], optimizer: torch.opt
         raise ConfigurationError("the scheduler was built for another optimizer than this handler's")
     resolve_interval(scheduler, interval)  # refuse ReduceLROnPlateau per step now, not at train()
     return scheduler
+
+
+def optimizer_steps_per_epoch(loader: Any, grad_accum_steps: int) -> int:
+    """Optimizer steps one epoch of ``loader`` makes on this rank, after accumulation.
+
+    A step per ``grad_accum_steps`` batches; the epoch's last group counts also when it is shorter (the loop
+    steps at its end).
+
+    Example:
+        >>> optimizer_steps_per_epoch(range(7), 1), optimizer_steps_per_epoch(range(7), 3)
+        (7, 3)
+    """
+    if loader is None:
+        raise ConfigurationError("steps_per_epoch needs the training data: call set_train_loader() first")
+    try:
+        batches = len(loader)  # under DDP, the batches of this rank's shard
+    except TypeError:
+        raise ConfigurationError(
+            "steps_per_epoch: the training loader has no length (an IterableDataset without __len__), so an "
+            "epoch's steps are not known before it ends; size the schedule from your own count, or train by "
+            "steps (train(max_steps=N)) with a schedule of N steps") from None
+    return math.ceil(batches / grad_accum_steps)
 
 
 def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) -> None:
