@@ -101,10 +101,55 @@ def sampler_generator(loader: DataLoader | None) -> torch.Generator | None:
     return generator if isinstance(generator, torch.Generator) else None
 
 
-def epoch_start_state(loader: DataLoader) -> dict[str, Any]:
-    """What decides an epoch's batch order, taken before the loader draws from it."""
-    return {"rng": capture_rng_state(),
+def epoch_start_state(loader: DataLoader, optimizer: Any = None) -> dict[str, Any]:
+    """What decides an epoch's batch order, taken before the loader draws from it; and its LR at its first step.
+
+    The LR is what the epoch's History row reports (:func:`epoch_lr`), also when the epoch is continued after a
+    stop by a per-step scheduler that has moved the LR on since.
+    """
+    lr = None if optimizer is None else [group["lr"] for group in optimizer.param_groups]
+    return {"rng": capture_rng_state(), "lr": lr,
             "generators": {name: g.get_state() for name, g in loader_generators(loader).items()}}
+
+
+def epoch_lr(optimizer: Any, resume: dict[str, Any] | None) -> Any:
+    """The History's ``lr`` of the epoch about to run: group 0's LR now, or at its first step when it continues.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0475)
+        >>> epoch_lr(opt, None), epoch_lr(opt, {"epoch_start": {"lr": [0.05]}})
+        (0.0475, 0.05)
+    """
+    started = None if resume is None else resume["epoch_start"].get("lr")  # absent from nn_handler <= 0.1's files
+    return optimizer.param_groups[0]["lr"] if not started else started[0]
+
+
+class RealRows:
+    """How many rows of each batch of an epoch are real samples, not ``DistributedSampler`` padding.
+
+    The padding is the last of this rank's samples (:func:`real_sample_count`). Training runs on it, as DDP must
+    (every rank takes the same steps on the same batch sizes); the History's sums weigh it 0, so they count every
+    sample once, as one process would.
+
+    Example:
+        >>> rows = RealRows(None)
+        >>> rows.real = 10  # 10 real samples on this rank, 11 with the padding
+        >>> [rows.take(4), rows.take(4), rows.take(3)]
+        [4, 4, 2]
+    """
+
+    def __init__(self, loader: DataLoader | None, seen: int = 0):
+        self.real = real_sample_count(loader) if loader is not None else None  # None: nothing padded
+        self.seen = seen  # rows already trained (a continued epoch)
+
+    def take(self, n: int) -> int:
+        """The real rows among the next ``n``."""
+        if self.real is None:
+            return n
+        keep = max(0, min(n, self.real - self.seen))
+        self.seen += n
+        return keep
 
 
 def skip_to(loader: DataLoader, resume: dict[str, Any], epoch: int) -> tuple[Iterator, int]:

@@ -172,7 +172,7 @@ class Loop:
         sampler = getattr(parts.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(state.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
-        lr = parts.optimizer.param_groups[0]["lr"]
+        lr = D.epoch_lr(parts.optimizer, state.resume_partial)  # at the epoch's first step, also when continued
         M.reset_peak_memory(parts.device)
         start = time.perf_counter()
         train = self._train_epoch(epoch, limits, progress, monitor)
@@ -262,10 +262,11 @@ class Loop:
             # them: a mid-epoch checkpoint (or a stop at max_steps or max_time)
             # needs it to replay the same order.
             stoppable = monitor is not None or max_steps is not None
-            epoch_start = D.epoch_start_state(loader) if stoppable else None
+            epoch_start = D.epoch_start_state(loader, parts.optimizer) if stoppable else None
             batches = iter(loader)
         if uneven == "step":
             batches = U.agreed(batches, first, epoch)
+        rows = D.RealRows(loader, sum(sizes))
         bar = (EpochBar(epoch, limits.epochs, n_batches, first, parts.world_size)
                if progress and parts.is_main_process else None)
         micro = 0
@@ -292,9 +293,12 @@ class Loop:
                     if boundary:
                         note_step(self.steps.take(step))
                         micro = 0
-                    detached = loss.detach()
-                    losses.append(detached)
-                    sizes.append(B.size_of(inputs, targets))
+                    detached, n = loss.detach(), B.size_of(inputs, targets)
+                    keep = rows.take(n)  # DistributedSampler padding: trained on, as DDP must; weighed 0 in the sums
+                    value, outputs, targets = ((detached, outputs, targets) if keep == n else
+                                               M.real_part(outputs, targets, detached, keep, n, parts.loss_fn))
+                    losses.append(value)
+                    sizes.append(keep)
                     if metrics:
                         with torch.no_grad():
                             out = B.outputs_of(outputs)

@@ -203,7 +203,8 @@ def test_model_checkpoint_names_its_files_as_checkpoint_dir_does(tmp_path):
 
     handler = make([ModelCheckpoint(tmp_path / "every")], checkpoint_dir=tmp_path / "run", keep_last=5)
     handler.train(3, progress=False)
-    assert files(tmp_path / "every") == sorted(os.listdir(tmp_path / "run")) == [f"epoch-000{e}.ckpt" for e in (1, 2, 3)]
+    names = ["epoch-0001.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt"]
+    assert files(tmp_path / "every") == sorted(os.listdir(tmp_path / "run")) == names
     assert [run_checkpoint_key(name) for name in files(tmp_path / "every")] == [(1, 0), (2, 0), (3, 0)]
     # A save_best_only callback shares the run's directory: resume="auto" continues the run's newest file.
     for epochs in (2, 3):

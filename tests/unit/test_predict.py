@@ -10,43 +10,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from nn_handler import NNHandler
-
-LENGTHS = [3, 5, 2, 7, 4, 6, 1]  # batches of 3 are padded to 5, 7 and 1
-
-
-def samples():
-    return [{"input_ids": torch.arange(1, n + 1)} for n in LENGTHS]
-
-
-def pad_each_batch(batch):
-    """The usual Hugging Face collate: every batch padded to its own longest row (with 0)."""
-    longest = max(len(s["input_ids"]) for s in batch)
-    return {"input_ids": torch.stack([nn.functional.pad(s["input_ids"], (0, longest - len(s["input_ids"])))
-                                      for s in batch])}
-
-
-class Tagger(nn.Module):
-    """Per-token scores, as a plain tuple (``return_dict=False``): ``(scores, (hidden, first), loss)``."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(10, 2)
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        return hidden.sum(-1), (hidden, hidden[:, :1]), hidden.mean()
-
+from scripts.promises_case import LENGTHS, Tagger, pad_each_batch, token_samples
 
 def one_by_one(model):
     """Each sample alone (no padding at all), as the reference rows."""
     with torch.no_grad():
-        return [model(s["input_ids"][None]) for s in samples()]
+        return [model(s["input_ids"][None]) for s in token_samples()]
 
 
 def test_dynamically_padded_batches_are_padded_to_the_longest_with_minus_100_and_tuples_kept():
     model = Tagger()
-    out = NNHandler(model).predict(DataLoader(samples(), batch_size=3, collate_fn=pad_each_batch))
+    out = NNHandler(model).predict(DataLoader(token_samples(), batch_size=3, collate_fn=pad_each_batch))
     scores, (hidden, first), loss = out
     assert scores.shape == (7, 7) and hidden.shape == (7, 7, 2) and first.shape == (7, 1, 2) and loss is None
     for i, (ref_scores, (ref_hidden, ref_first), _) in enumerate(one_by_one(model)):
@@ -55,7 +29,8 @@ def test_dynamically_padded_batches_are_padded_to_the_longest_with_minus_100_and
         # Past the sample: the collate's padding (scored by the model) up to its batch's longest, then -100.
         assert (scores[i, batch_longest:] == -100).all() and (hidden[i, batch_longest:] == -100).all()
         assert torch.equal(hidden[i, :n], ref_hidden[0]) and torch.equal(first[i], ref_first[0])
-    again = NNHandler(model).predict(DataLoader(samples(), batch_size=3, collate_fn=pad_each_batch), padding_value=0)
+    loader = DataLoader(token_samples(), batch_size=3, collate_fn=pad_each_batch)
+    again = NNHandler(model).predict(loader, padding_value=0)
     assert torch.equal(again[0], torch.where(scores == -100, 0.0, scores))
 
 
@@ -67,13 +42,13 @@ def test_a_mapping_output_keeps_its_tuple_fields_and_names_what_it_leaves_out(ca
     model.config.output_hidden_states = True
     model.config.use_cache = True  # a Cache object: not concatenated, and said so
     with caplog.at_level(logging.WARNING, logger="nn_handler"):
-        out = NNHandler(model).predict(DataLoader(samples(), batch_size=3, collate_fn=pad_each_batch))
+        out = NNHandler(model).predict(DataLoader(token_samples(), batch_size=3, collate_fn=pad_each_batch))
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert out.logits.shape == (7, 7, H.VOCAB) and len(out.hidden_states) == 3
     assert all(h.shape == (7, 7, 32) for h in out.hidden_states)
     model.eval()
     with torch.no_grad():
-        alone = model(input_ids=samples()[3]["input_ids"][None])  # the longest sample: no padding in its batch
+        alone = model(input_ids=token_samples()[3]["input_ids"][None])  # the longest sample: no padding in its batch
     torch.testing.assert_close(out.hidden_states[-1][3], alone.hidden_states[-1][0])
     dropped = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(dropped) == 1 and "output['cache'] (a DynamicCache)" in dropped[0]
