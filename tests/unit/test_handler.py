@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from nn_handler import NNHandler
 from nn_handler.callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
 from nn_handler.errors import MissingExtraError
-from scripts.handler_case import make_data, make_handler, make_model, reference_train, weights
+from scripts.handler_case import mae, make_data, make_handler, make_model, reference_train, weights
 
 EPOCHS, BATCH = 3, 8
 
@@ -393,3 +393,29 @@ def test_a_model_without_a_labels_parameter_gets_the_batch_without_them_and_trai
     with torch.no_grad():
         assert handler.evaluate()["loss"] == pytest.approx(nn.functional.mse_loss(model(Xv), yv).item(), rel=1e-6)
         assert torch.equal(handler.predict([{"x": a, "labels": b} for a, b in zip(Xv, yv)]), model(Xv))
+
+
+def test_a_distributed_samplers_padding_is_trained_on_but_not_counted_in_the_history():
+    X, y = make_data(13)
+    data = TensorDataset(X, y)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)  # 6 real + 1 padding
+    rows = list(sampler)
+    assert rows == [1, 3, 5, 7, 9, 11, 0]
+    class Losses(Callback):
+        def __init__(self):
+            self.trained = []
+
+        def on_batch_end(self, handler, step, loss):
+            self.trained.append(float(loss))
+
+    model, losses = make_model(), Losses()
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.0}, metrics={"mae": mae},
+                        device="cpu", callbacks=[losses])
+    handler.train_loader = DataLoader(data, batch_size=4, sampler=sampler)
+    history = handler.train(1, progress=False)
+    with torch.no_grad():
+        real = rows[:6]
+        assert history["train_loss"][0] == pytest.approx(nn.functional.mse_loss(model(X[real]), y[real]).item())
+        assert history["train_mae"][0] == pytest.approx(mae(model(X[real]), y[real]).item(), rel=1e-6)
+        # The hooks see the loss that was trained on: the whole last batch, padding included.
+        assert losses.trained[-1] == pytest.approx(nn.functional.mse_loss(model(X[rows[4:]]), y[rows[4:]]).item())
