@@ -155,7 +155,7 @@ class NNHandler:
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).
         global_step: Optimizer steps taken.
-        steps_per_epoch: Optimizer steps an epoch makes on this rank (``ceil(batches / grad_accum_steps)``).
+        steps_per_epoch: Optimizer steps an epoch takes on this rank (``ceil(batches / grad_accum_steps)``).
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
         config: The training knobs given to the constructor, validated (read-only; also readable as
@@ -270,8 +270,8 @@ class NNHandler:
     history = state_property("history", "The History of completed epochs.")
     partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
                              "or max_time stopped an epoch part-way (its hooks included) until it is continued.")
-    steps_per_epoch = property(lambda self: optimizer_steps_per_epoch(self.train_loader, self.grad_accum_steps), doc=
-                               "Optimizer steps an epoch makes on this rank, after accumulation: to size a schedule.")
+    steps_per_epoch = property(lambda self: optimizer_steps_per_epoch(self.train_loader, self.grad_accum_steps),
+                               doc="Optimizer steps an epoch takes on this rank (after accumulation).")
     grad_accum_steps = config_property("grad_accum_steps")
     clip_grad_norm = config_property("clip_grad_norm")
     finite_check_every = config_property("finite_check_every")
@@ -502,7 +502,7 @@ class NNHandler:
             device_ids: Devices for ``data_parallel`` (all GPUs by default;
                 ``["cpu", "cpu"]`` for CPU workers).
             padding_value: Where batches' outputs differ in length (a collate that pads each batch to its
-                longest row), the shorter are padded to the longest with this (docs/training.md).
+                longest row), the shorter are padded to the longest with this (not with ``data_parallel``).
 
         Returns:
             The concatenated outputs: a tensor, a tuple (of tuples) of them, or for a mapping output (``ModelOutput``)
