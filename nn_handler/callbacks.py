@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol, runtime_checkable
 
 from ._checks import check_bool, check_choice, check_int, check_number, invalid
+from .checkpoint import run_checkpoint_name
 from .errors import ConfigurationError
 from .utils.ddp import is_main_process
 
@@ -172,8 +173,12 @@ class _Monitor:
         self.monitor, self.mode, self.min_delta = monitor, mode, float(min_delta)
         self.best: float | None = None
 
-    def value(self, logs: dict[str, Any], who: str) -> float:
+    def value(self, logs: dict[str, Any], who: str, handler: Any = None) -> float | None:
+        """The monitored value of an epoch's row; None for an epoch that was not validated (``validate_every``)."""
         value = logs.get(self.monitor)
+        if value is None and self.monitor.startswith("val_") and "val_loss" not in logs \
+                and getattr(handler, "val_loader", None) is not None:
+            return None  # train(validate_every=k): this epoch has no validation values to decide from
         if value is None:
             hint = " (set a validation loader with set_val_loader)" if self.monitor.startswith("val_") else ""
             raise ValueError(
@@ -198,7 +203,9 @@ class EarlyStopping(Callback):
     The monitored value is reduced over all ranks before this runs, and the
     handler agrees on the stop flag across ranks, so every rank stops after
     the same epoch. Part of an epoch (``handler.partial_epoch``) counts for
-    nothing: the whole epoch decides once it is complete.
+    nothing: the whole epoch decides once it is complete. With
+    ``train(validate_every=k)`` and a ``val_`` monitor, only validated epochs
+    count (``patience`` is in validations).
 
     Args:
         monitor: History key, e.g. ``"val_loss"``, ``"train_loss"``, ``"val_acc"``.
@@ -235,7 +242,9 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, handler, epoch, logs):
         if getattr(handler, "partial_epoch", False):
             return
-        value = self._monitor.value(logs, "EarlyStopping")
+        value = self._monitor.value(logs, "EarlyStopping", handler)
+        if value is None:  # not validated this epoch: neither better nor worse
+            return
         if self._monitor.improved(value):
             self._monitor.best, self.wait = value, 0
             return
@@ -256,14 +265,17 @@ class EarlyStopping(Callback):
 class ModelCheckpoint(Callback):
     """Save full training checkpoints while training.
 
-    Files in ``dirpath``: ``epoch=NNNN.ckpt`` every ``every_n_epochs`` epochs
+    Files in ``dirpath``: ``epoch-NNNN.ckpt`` (the names ``checkpoint_dir`` uses) every ``every_n_epochs`` epochs
     (with ``save_top_k=k``, only the ``k`` best by ``monitor``, the others
     deleted; with ``save_best_only``, ``best.ckpt`` instead, only when
     ``monitor`` improved) and ``last.ckpt`` after every epoch when ``save_last``. Each
     write is atomic; each file resumes training with
     :meth:`NNHandler.load_checkpoint`. Where ``max_steps`` or ``max_time``
     stops an epoch part-way, only ``last.ckpt`` is written (it resumes at the
-    next batch): the epoch's file and "best" wait for the whole epoch.
+    next batch): the epoch's file and "best" wait for the whole epoch. With
+    ``train(validate_every=k)`` and a ``val_`` monitor, ``save_top_k`` and
+    ``save_best_only`` rank and save on the validated epochs; the others
+    write ``last.ckpt`` only.
 
     Args:
         dirpath: Directory for the files (created when needed).
@@ -295,7 +307,7 @@ class ModelCheckpoint(Callback):
         check_int("save_top_k", save_top_k, minimum=1, allow_none=True)
         if save_top_k is not None and save_best_only:
             raise ConfigurationError("save_best_only=True keeps one best.ckpt and save_top_k keeps the k best epoch "
-                                     "files: choose one (save_top_k=1 keeps one epoch=NNNN.ckpt)")
+                                     "files: choose one (save_top_k=1 keeps one epoch-NNNN.ckpt)")
         self.dirpath = Path(dirpath)
         self._monitor = _Monitor(monitor, mode)
         self.save_best_only, self.save_last, self.every_n_epochs = save_best_only, save_last, every_n_epochs
@@ -308,24 +320,39 @@ class ModelCheckpoint(Callback):
         """The best monitored value among the saved checkpoints."""
         return self._monitor.best
 
+    def on_train_begin(self, handler):
+        run_dir = getattr(handler, "checkpoint_dir", None)
+        if run_dir is not None and not self.save_best_only and Path(run_dir).resolve() == self.dirpath.resolve():
+            # Both would write epoch-NNNN.ckpt there, and each prunes: the run would delete the best files,
+            # save_top_k the newest one that a resume needs.
+            raise ConfigurationError(
+                f"ModelCheckpoint's dirpath is the handler's checkpoint_dir ({run_dir}): both write epoch-NNNN.ckpt "
+                f"files there and each deletes the other's; give ModelCheckpoint a directory of its own "
+                f"(e.g. {Path(run_dir) / 'best'}), or save_best_only=True (best.ckpt and last.ckpt share it safely)")
+
     def on_epoch_end(self, handler, epoch, logs):
         if epoch % self.every_n_epochs == 0 and not getattr(handler, "partial_epoch", False):
-            if self.save_top_k is not None:
-                self._save_top_k(handler, epoch, self._monitor.value(logs, "ModelCheckpoint"))
-            elif self.save_best_only:
-                value = self._monitor.value(logs, "ModelCheckpoint")
-                if self._monitor.improved(value):
-                    self._monitor.best = value
-                    self.best_path = str(self.dirpath / "best.ckpt")
-                    handler.save_checkpoint(self.best_path)
-            else:
-                value = logs.get(self._monitor.monitor)
-                path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
-                if value is not None and self._monitor.improved(float(value)):
-                    self._monitor.best, self.best_path = float(value), path
-                handler.save_checkpoint(path)
+            self._save_epoch(handler, epoch, logs)
         if self.save_last:
             handler.save_checkpoint(self.dirpath / "last.ckpt")
+
+    def _save_epoch(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
+        path = str(self.dirpath / run_checkpoint_name(epoch))
+        if self.save_top_k is None and not self.save_best_only:  # every epoch's file; "best" where there is a value
+            value = logs.get(self._monitor.monitor)
+            if value is not None and self._monitor.improved(float(value)):
+                self._monitor.best, self.best_path = float(value), path
+            handler.save_checkpoint(path)
+            return
+        value = self._monitor.value(logs, "ModelCheckpoint", handler)
+        if value is None:
+            return  # not validated (train(validate_every=k)): ranked on the epochs that have the value
+        if self.save_top_k is not None:
+            self._save_top_k(handler, epoch, value)
+        elif self._monitor.improved(value):
+            self._monitor.best = value
+            self.best_path = str(self.dirpath / "best.ckpt")
+            handler.save_checkpoint(self.best_path)
 
     def _rank(self, value: float, epoch: int) -> tuple:
         """Sort key, best first: NaN last, then by value, then the earlier epoch."""
@@ -335,12 +362,13 @@ class ModelCheckpoint(Callback):
     def _save_top_k(self, handler: TrainerView, epoch: int, value: float) -> None:
         if math.isnan(value):
             return
-        path = str(self.dirpath / f"epoch={epoch:04d}.ckpt")
-        kept = [entry for entry in self.kept if entry[0] != path]  # a rerun epoch replaces its own entry
+        path = str(self.dirpath / run_checkpoint_name(epoch))
+        # A rerun epoch replaces its own entry, also one of nn_handler <= 0.1's epoch=NNNN.ckpt names.
+        kept = [entry for entry in self.kept if entry[2] != epoch]
         ranked = sorted(kept + [(path, value, epoch)], key=lambda e: self._rank(e[1], e[2]))
         if ranked.index((path, value, epoch)) >= self.save_top_k:
             return  # not among the k best: nothing written, nothing deleted
-        dropped = ranked[self.save_top_k:]
+        dropped = ranked[self.save_top_k:] + [e for e in self.kept if e[2] == epoch and e[0] != path]
         # The list is updated before the write, so the checkpoint holds the list it belongs to.
         self.kept = ranked[:self.save_top_k]
         self._monitor.best, self.best_path = self.kept[0][1], self.kept[0][0]
@@ -411,7 +439,9 @@ class EMA(Callback):
     step copies the weights), with torch's ``AveragedModel`` and
     ``get_ema_multi_avg_fn``. The average is in checkpoints (the callback's
     state) and restored on resume, so a resumed run's average equals the
-    uninterrupted run's. Under DDP every rank keeps the same average (its
+    uninterrupted run's; after :meth:`NNHandler.load_checkpoint` (of the
+    last or the best checkpoint, say) the average is usable at once, to
+    evaluate, predict or export without training more. Under DDP every rank keeps the same average (its
     weights are the same); ``strategy="fsdp"`` is refused (each rank holds
     only shards of the weights).
 
@@ -423,7 +453,7 @@ class EMA(Callback):
 
     Attributes:
         module: The ``torch.optim.swa_utils.AveragedModel`` (None before
-            training starts); ``ema.module(x)`` runs the averaged model,
+            training starts or a checkpoint is loaded); ``ema.module(x)`` runs the averaged model,
             ``ema.module.module`` is the averaged copy of the model itself.
 
     Example:
@@ -449,9 +479,19 @@ class EMA(Callback):
         self._loaded: dict[str, Any] | None = None  # a checkpoint's average, loaded before the model is known
 
     def on_train_begin(self, handler):
+        _refuse_sharded(handler.module)
+        self._build(handler)
+
+    def on_load_checkpoint(self, handler, payload):
+        # Usable at once: loading the final or best checkpoint to evaluate or export its average is the common
+        # use, and training more to reach it would change it. A sharded model is refused when training starts.
+        if self._loaded is not None and not _is_sharded(handler.module):
+            self._build(handler)
+
+    def _build(self, handler: TrainerView) -> None:
+        """The ``AveragedModel`` over ``handler``'s model, holding a loaded average if there is one."""
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-        _refuse_sharded(handler.module)
         if self.module is None:
             self.module = AveragedModel(handler.module, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                         use_buffers=self.use_buffers)
@@ -470,8 +510,11 @@ class EMA(Callback):
         own average). Inside, ``evaluate``, ``predict`` and ``export_model``
         use the average.
         """
+        if self.module is None and self._loaded is not None:
+            self._build(handler)  # an average restored with load_state_dict alone
         if self.module is None:
-            raise RuntimeError("EMA has no average yet: train with this callback first")
+            raise RuntimeError("EMA has no average yet: train with this callback, or load a checkpoint that holds "
+                               "its average (NNHandler.load_checkpoint with this callback attached)")
         live = handler.module
         saved = {k: v.detach().clone() for k, v in live.state_dict().items()}
         averaged = self.module.module.state_dict()
@@ -497,11 +540,15 @@ class EMA(Callback):
             self._loaded = average
 
 
-def _refuse_sharded(module: Any) -> None:
+def _is_sharded(module: Any) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2 cannot have sharded it
-        return
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _refuse_sharded(module: Any) -> None:
+    if _is_sharded(module):
         raise ConfigurationError("EMA keeps a whole copy of the weights and strategy='fsdp' holds shards of them "
                                  "on each rank: use EMA with strategy='ddp' (or one process)")

@@ -47,6 +47,7 @@ from ._training.loop import Limits, Loop
 from ._training.context import StepContext
 from ._training.parts import Models, Parts, check_ready, check_steps, wrap_model
 from ._training.precision import Precision
+from ._training.schedule import optimizer_steps_per_epoch
 from ._training.sharded_checkpoint import check_every_rank_runs
 from ._training.state import TrainingState, state_property
 from .callbacks import Callback
@@ -167,6 +168,7 @@ class NNHandler:
         history: The :class:`~nn_handler.History` of completed epochs.
         epoch: Completed epochs (resumes from checkpoints).
         global_step: Training steps taken (optimizer steps: one per accumulation group, however many optimizers).
+        steps_per_epoch: Training steps an epoch takes on this rank (``ceil(batches / grad_accum_steps)``).
         stop_training: Set to True (by a callback) to stop after the current epoch.
         distributed, rank, world_size, device: Where this process runs.
         config: The training knobs given to the constructor, validated (read-only; also readable as
@@ -278,6 +280,8 @@ class NNHandler:
     history = state_property("history", "The History of completed epochs.")
     partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
                              "or max_time stopped an epoch part-way (its hooks included) until it is continued.")
+    steps_per_epoch = property(lambda self: optimizer_steps_per_epoch(self.train_loader, self.grad_accum_steps),
+                               doc="Optimizer steps an epoch takes on this rank (after accumulation).")
     grad_accum_steps = config_property("grad_accum_steps")
     clip_grad_norm = config_property("clip_grad_norm")
     finite_check_every = config_property("finite_check_every")
@@ -460,7 +464,8 @@ class NNHandler:
         return evaluation.evaluate(self._parts(), self.config, loader)
 
     def predict(self, data: Any, batch_size: int | None = None, *, model: str | None = None,
-                data_parallel: bool = False, device_ids: Sequence[int | str] | None = None) -> Any:
+                data_parallel: bool = False, device_ids: Sequence[int | str] | None = None,
+                padding_value: float = -100) -> Any:
         """Model outputs for every sample of ``data``, in input order, on CPU.
 
         Under DDP each rank predicts its shard; the shards are gathered with
@@ -479,9 +484,12 @@ class NNHandler:
                 (one worker per device, batches spread dynamically).
             device_ids: Devices for ``data_parallel`` (all GPUs by default;
                 ``["cpu", "cpu"]`` for CPU workers).
+            padding_value: Where batches' outputs differ in length (a collate that pads each batch to its
+                longest row), the shorter are padded to the longest with this (not with ``data_parallel``).
 
         Returns:
-            The concatenated outputs: a tensor, or for a mapping output (``ModelOutput``) that mapping of tensors.
+            The concatenated outputs: a tensor, a tuple (of tuples) of them, or for a mapping output (``ModelOutput``)
+            that mapping; a scalar (a loss) is left out of a mapping, None in a tuple.
 
         Example:
             >>> import torch
@@ -493,7 +501,8 @@ class NNHandler:
         module = parts.module(model, "predict()")
         if data_parallel:
             return evaluation.predict_data_parallel(parts, module, data, batch_size, device_ids)
-        return evaluation.predict(parts, module, D.predict_loader(data, batch_size, self._parallel, self.config.seed))
+        loader = D.predict_loader(data, batch_size, self._parallel, self.config.seed)
+        return evaluation.predict(parts, module, loader, padding_value)
 
     # ------------------------------------------------------------------ checkpoints
 

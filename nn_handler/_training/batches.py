@@ -6,7 +6,8 @@ Three shapes of batch, asked about here by the loop, evaluation and prediction a
 - inputs alone (a tensor, a 1-tuple): ``model(inputs)``, no targets (prediction);
 - a ``Mapping`` (``{"input_ids": ..., "labels": ...}``, a Hugging Face ``BatchEncoding``):
   ``model(**batch)``; its targets are its ``"labels"`` entry when there is one (the
-  Hugging Face convention), else None.
+  Hugging Face convention), else None. A model whose ``forward`` takes no ``labels``
+  (and no ``**kwargs``) is called without them.
 
 The loss is ``loss_fn(outputs, targets)``, or with no ``loss_fn`` the output's own
 ``loss`` (an attribute, as Hugging Face's ``ModelOutput`` has, or a ``"loss"`` key), as
@@ -28,15 +29,18 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .._tree import apply, tensors, to_device
 from ..errors import ConfigurationError
+from ..utils._models.wrap import unwrap_parallel_model
 
-__all__ = ["split", "call", "loss_of", "own_loss", "size_of", "sample_count", "head", "cut", "move", "check_targets",
-           "outputs_of"]
+__all__ = ["split", "call", "takes_labels", "loss_of", "own_loss", "size_of", "sample_count", "head", "cut", "move",
+           "check_targets", "outputs_of"]
 
 NO_LOSS = ("no loss function: pass loss_fn= to NNHandler or call set_loss_fn(), or give a model that returns its "
            "own loss (an output with a `loss` attribute or key, as Hugging Face models do when the batch holds "
@@ -68,10 +72,50 @@ def split(batch: Any) -> tuple[Any, Any]:
 
 
 def call(model: Callable, inputs: Any) -> Any:
-    """The model's outputs: ``model(**inputs)`` for a mapping, else ``model(inputs)``."""
+    """The model's outputs: ``model(**inputs)`` for a mapping, else ``model(inputs)``.
+
+    A model that takes no ``labels`` (:func:`takes_labels`) is called without them.
+
+    Example:
+        >>> import torch
+        >>> call(lambda input_ids: input_ids * 2, {"input_ids": torch.ones(2), "labels": torch.zeros(2)})
+        tensor([2., 2.])
+    """
     if isinstance(inputs, Mapping):
+        if "labels" in inputs and not takes_labels(model):
+            # The targets of loss_fn, not an argument of this model (the Hugging Face Trainer pops them too).
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
         return model(**inputs)
     return model(inputs)
+
+
+_TAKES_LABELS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def takes_labels(model: Callable) -> bool:
+    """True when the model's ``forward`` (inside DDP or ``torch.compile``) has a ``labels`` parameter or ``**kwargs``.
+
+    Example:
+        >>> import torch
+        >>> takes_labels(torch.nn.Linear(2, 2)), takes_labels(lambda x, **kwargs: x)
+        (False, True)
+    """
+    model = unwrap_parallel_model(model) if isinstance(model, torch.nn.Module) else model
+    if not isinstance(model, torch.nn.Module):
+        return _accepts_labels(model)
+    cls = type(model)
+    found = _TAKES_LABELS.get(cls)
+    if found is None:  # one signature read per class: this runs at every batch
+        found = _TAKES_LABELS[cls] = _accepts_labels(model.forward)
+    return found
+
+
+def _accepts_labels(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass them, as always
+        return True
+    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def check_targets(inputs: Any, targets: Any, loss_fn: Callable | None, what: str) -> None:
@@ -144,16 +188,37 @@ def sample_count(batch: Any) -> int:
     return size_of(*split(batch))
 
 
-def head(obj: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch-shaped object (tensors in tuples, lists, dicts, dataclasses; scalars kept)."""
+def head(obj: Any, n: int, rows: int | None = None) -> Any:
+    """The first ``n`` samples of a batch-shaped object (tensors in tuples, lists, dicts, dataclasses; scalars kept).
+
+    With ``rows`` (the batch size), a list of ``rows`` entries that holds no tensor is one entry per sample
+    (``default_collate`` makes one of a string field) and is cut too.
+
+    Example:
+        >>> import torch
+        >>> head({"x": torch.arange(3), "name": ["a", "b", "c"]}, 2, rows=3)
+        {'x': tensor([0, 1]), 'name': ['a', 'b']}
+    """
+    if rows is not None:
+        obj = _cut_sample_lists(obj, n, rows)
     return apply(obj, lambda t: t[:n] if t.dim() > 0 else t)
 
 
-def cut(inputs: Any, targets: Any, n: int) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of the batch's first ``n`` samples (a mapping's labels are cut with it)."""
+def _cut_sample_lists(obj: Any, n: int, rows: int) -> Any:
+    if isinstance(obj, list) and len(obj) == rows and next(tensors(obj), None) is None:
+        return obj[:n]
+    if type(obj) is dict:
+        return {k: _cut_sample_lists(v, n, rows) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_cut_sample_lists(v, n, rows) for v in obj)
+    return obj
+
+
+def cut(inputs: Any, targets: Any, n: int, rows: int | None = None) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of the batch's first ``n`` of ``rows`` samples (a mapping's labels are cut with it)."""
     if isinstance(inputs, Mapping):
-        return split(head(inputs, n))
-    return head(inputs, n), head(targets, n)
+        return split(head(inputs, n, rows))
+    return head(inputs, n, rows), head(targets, n, rows)
 
 
 def move(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:

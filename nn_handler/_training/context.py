@@ -109,6 +109,9 @@ class StepContext:
         self._asked: list[str] = []
         self._scaler_stepped: set[str] = set()  # the optimizers the fp16 scaler stepped since its update()
         self._retained = False  # a backward of this micro-batch kept its graph (retain_graph=True)
+        # The real samples of a batch that ends in DistributedSampler padding (else None): the built-in
+        # step's loss and metrics for the History cover those rows only.
+        self._real_rows: int | None = None
 
     @property
     def model(self) -> nn.Module:

@@ -101,10 +101,39 @@ def sampler_generator(loader: DataLoader | None) -> torch.Generator | None:
     return generator if isinstance(generator, torch.Generator) else None
 
 
-def epoch_start_state(loader: DataLoader) -> dict[str, Any]:
-    """What decides an epoch's batch order, taken before the loader draws from it."""
-    return {"rng": capture_rng_state(),
+def epoch_start_state(loader: DataLoader, learning_rates: dict[str, float] | None = None) -> dict[str, Any]:
+    """What decides an epoch's batch order, taken before the loader draws from it; and its learning rates at its
+    first step, which the epoch's History row reports also when a per-step scheduler has moved them on before the
+    epoch is continued (:func:`~.schedule.epoch_learning_rates`)."""
+    return {"rng": capture_rng_state(), "lr": learning_rates,
             "generators": {name: g.get_state() for name, g in loader_generators(loader).items()}}
+
+
+class RealRows:
+    """How many rows of each batch of an epoch are real samples, not ``DistributedSampler`` padding.
+
+    The padding is the last of this rank's samples (:func:`real_sample_count`). Training runs on it, as DDP must
+    (every rank takes the same steps on the same batch sizes); the History's sums weigh it 0, so they count every
+    sample once, as one process would.
+
+    Example:
+        >>> rows = RealRows(None)
+        >>> rows.real = 10  # 10 real samples on this rank, 11 with the padding
+        >>> [rows.take(4), rows.take(4), rows.take(3)]
+        [4, 4, 2]
+    """
+
+    def __init__(self, loader: DataLoader | None, seen: int = 0):
+        self.real = real_sample_count(loader) if loader is not None else None  # None: nothing padded
+        self.seen = seen  # rows already trained (a continued epoch)
+
+    def take(self, n: int) -> int:
+        """The real rows among the next ``n``."""
+        if self.real is None:
+            return n
+        keep = max(0, min(n, self.real - self.seen))
+        self.seen += n
+        return keep
 
 
 def skip_to(loader: DataLoader, resume: dict[str, Any], epoch: int) -> tuple[Iterator, int]:

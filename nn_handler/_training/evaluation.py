@@ -17,12 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .._tree import tensors
 from ..errors import ConfigurationError
 from ..utils._collectives import check_collective_allowed, gather, side_group
 from ..utils.parallel import parallel_predict
 from . import batches as B
 from . import data as D
 from . import metrics as M
+from . import outputs as O
 from .buffers import sync_buffers
 from .config import TrainingConfig
 from .context import StepContext
@@ -65,7 +67,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
                     break  # only DistributedSampler padding is left (a step that names its values ran once)
                 if 0 < keep < n:
                     # Cut before the forward: a model's own loss then covers the real samples only.
-                    batch = B.head(batch, keep)
+                    batch = B.head(batch, keep, rows=n)  # per-sample lists too (names, texts)
                 loss, returned = values.read(step(ctx, batch))
                 if keep <= 0:
                     continue
@@ -122,11 +124,12 @@ def evaluate(parts: Parts, config: TrainingConfig, loader: DataLoader) -> dict[s
     return {k.removeprefix("val_"): v for k, v in M.means("val_", totals, names).items()}
 
 
-def predict(parts: Parts, module: nn.Module, loader: DataLoader) -> Any:
+def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: float = -100) -> Any:
     """``module``'s outputs for every sample of ``loader``, in dataset order, on CPU, on every rank.
 
-    A tensor output gives one tensor; a mapping output (a Hugging Face ``ModelOutput``) the same kind
-    of mapping of its batched tensors, each concatenated (scalars such as its loss left out).
+    A tensor output gives one tensor, a tuple one tuple, a mapping output (a Hugging Face ``ModelOutput``) the same
+    kind of mapping, each of their batched tensors concatenated, padded with ``padding_value`` where the batches'
+    lengths differ (:mod:`.outputs`).
     """
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
@@ -134,61 +137,43 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader) -> Any:
     sync_buffers(parts, "NNHandler.predict")
     was_training = module.training
     module.eval()
-    outputs, kind = [], None  # kind: the type of the model's outputs (a tensor, a ModelOutput)
+    outputs, kind, dropped = [], None, set()  # kind: the type of the model's outputs (a tensor, a ModelOutput)
     lockstep = is_sharded(module) and parts.in_group  # a sharded forward is a collective
     try:
         with torch.no_grad(), parts.precision.autocast():
             for batch in even_batches(loader) if lockstep else loader:
                 inputs, _ = B.split(B.move(batch, parts.device))
                 out = parts.precision.convert_output(B.call(module, inputs))
-                outputs.append(_batched_cpu(out))
+                outputs.append(_batched(out, dropped))
                 kind = type(out)
     finally:
         module.train(was_training)
-    local = _concat(outputs) if outputs else None
+    if parts.is_main_process:
+        O.warn_dropped(dropped)
+    local = O.concat(outputs, padding_value) if outputs else None
     if not isinstance(sampler, DistributedSampler) or not parts.in_group:
         if local is None:
             raise ConfigurationError("predict(): the data yielded no samples")
-        return _as_kind(kind, local)
+        return O.as_kind(kind, local)
     indices = list(iter(sampler))
     count = real if real is not None else len(indices)
     part = (indices[:count], None if local is None else B.head(local, count), kind)
-    parts_of_ranks = gather(side_group(), part)  # not all_gather_object: it needs numpy
-    kind = next((k for _, out, k in parts_of_ranks if out is not None), None)
-    n = len(sampler.dataset)
-    if kind is None or not issubclass(kind, Mapping):
-        return _assemble([(i, out) for i, out, _ in parts_of_ranks], n)
-    keys = next(out for _, out, _ in parts_of_ranks if out is not None).keys()
-    return _as_kind(kind, {k: _assemble([(i, None if out is None else out[k]) for i, out, _ in parts_of_ranks], n)
-                           for k in keys})
+    parts_of_ranks = [p for p in gather(side_group(), part) if p[1] is not None]  # not all_gather_object: numpy
+    if not parts_of_ranks:
+        raise ConfigurationError("predict(): the data yielded no samples")
+    # The ranks' shards, each padded to its own longest, are padded to the longest of all as one batch would be.
+    full = O.concat([out for _, out, _ in parts_of_ranks], padding_value)
+    ordered = O.in_order(full, [i for indices, _, _ in parts_of_ranks for i in indices], len(sampler.dataset))
+    return O.as_kind(parts_of_ranks[0][2], ordered)
 
 
-def _batched_cpu(out: Any) -> Any:
-    """A batch's output on the CPU: a tensor, or a dict of a mapping's tensors that have a batch dimension."""
-    if isinstance(out, torch.Tensor):
-        return out.detach().cpu()
-    if isinstance(out, Mapping):
-        kept = {k: v.detach().cpu() for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        if kept:
-            return kept
-    raise TypeError(f"predict() needs a model that returns a tensor or a mapping of tensors (a Hugging Face "
-                    f"ModelOutput), got {type(out).__name__}")
-
-
-def _concat(outputs: list) -> Any:
-    if isinstance(outputs[0], torch.Tensor):
-        return torch.cat(outputs)
-    return {k: torch.cat([o[k] for o in outputs]) for k in outputs[0]}
-
-
-def _as_kind(kind: type | None, local: Any) -> Any:
-    """A dict of outputs as the mapping type the model returned (a ``ModelOutput`` takes its fields as keywords)."""
-    if kind is None or not issubclass(kind, Mapping) or kind is dict:
-        return local
-    try:
-        return kind(**local)
-    except TypeError:  # a mapping whose constructor takes no keywords
-        return local
+def _batched(out: Any, dropped: set[str]) -> Any:
+    """A batch's output as :func:`.outputs.batched_cpu` keeps it; an output with nothing batched is refused."""
+    kept = O.batched_cpu(out, dropped)
+    if kept is None or next(tensors(kept), None) is None:
+        raise TypeError(f"predict() needs a model that returns tensors with a batch dimension (a tensor, a tuple of "
+                        f"them, or a mapping such as a Hugging Face ModelOutput), got {type(out).__name__}")
+    return kept
 
 
 def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size: int | None,
@@ -219,25 +204,5 @@ class InputsOnly(nn.Module):
         inputs, _ = B.split(batch if len(batch) > 1 else batch[0]) if batch else (named, None)
         out = B.call(self.model, inputs)
         if isinstance(out, Mapping):  # as predict(): its batched tensors, scalars such as the loss left out
-            return _as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+            return O.as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
         return out
-
-
-def _assemble(parts: list, n: int) -> torch.Tensor:
-    """Put every rank's ``(indices, outputs)`` into one tensor in dataset order; each index exactly once."""
-    template = next((out for _, out in parts if out is not None and len(out)), None)
-    if template is None:
-        raise ConfigurationError("predict(): the data yielded no samples")
-    result = torch.empty((n, *template.shape[1:]), dtype=template.dtype)
-    filled = torch.zeros(n, dtype=torch.bool)
-    for indices, out in parts:
-        if not indices:
-            continue
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        if filled[idx].any():
-            raise RuntimeError("predict(): a sample came back from two ranks; the sampler is not a partition")
-        result[idx] = out
-        filled[idx] = True
-    if not filled.all():
-        raise RuntimeError(f"predict(): {int((~filled).sum())} samples came back from no rank")
-    return result

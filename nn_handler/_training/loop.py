@@ -49,7 +49,7 @@ from .progress import EpochBar
 from .readout import HostReads
 from .report import epoch_line, report_epoch, validate_at_step
 from .resume import save_run_checkpoint
-from .schedule import OptimizerSteps, learning_rates
+from .schedule import OptimizerSteps, epoch_learning_rates, learning_rates
 from .state import TrainingState
 from .step import MicroBatches, trained_models
 
@@ -172,7 +172,7 @@ class Loop:
         sampler = getattr(parts.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(state.epoch)  # DistributedSampler: a new shuffle each epoch, the same on every rank
-        lrs = learning_rates(parts.optimizers)
+        lrs = epoch_learning_rates(parts.optimizers, state.resume_partial)  # at its first step, also continued
         M.reset_peak_memory(parts.device)
         start = time.perf_counter()
         train = self._train_epoch(epoch, limits, progress, monitor)
@@ -264,10 +264,11 @@ class Loop:
             # them: a mid-epoch checkpoint (or a stop at max_steps or max_time)
             # needs it to replay the same order.
             stoppable = monitor is not None or max_steps is not None
-            epoch_start = D.epoch_start_state(loader) if stoppable else None
+            epoch_start = D.epoch_start_state(loader, learning_rates(parts.optimizers)) if stoppable else None
             batches = iter(loader)
         if uneven == "step":
             batches = U.agreed(batches, first, epoch)
+        rows = D.RealRows(loader, sum(sizes))
         bar = (EpochBar(epoch, limits.epochs, n_batches, first, parts.world_size)
                if progress and parts.is_main_process else None)
         micro = 0
@@ -282,12 +283,14 @@ class Loop:
                     batch = B.move(batch, device, reads.non_blocking)
                     micro += 1
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
-                    loss, returned = steps.run(batch, i, boundary, pause_sync)
+                    n = B.sample_count(batch)
+                    keep = rows.take(n)  # DistributedSampler padding: trained on, as DDP must; weighed 0 in the sums
+                    loss, returned = steps.run(batch, i, boundary, pause_sync, None if keep == n else keep)
                     if boundary:
                         note_step(state.global_step)
                         micro = 0
                     losses.append(loss)
-                    sizes.append(B.sample_count(batch))
+                    sizes.append(keep)
                     if returned:
                         values = values or [[] for _ in returned]
                         for column, value in zip(values, returned):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..errors import NonFiniteLossError
 from ..utils._stall import watching
 from ..utils.ddp import is_distributed
+from . import batches as B
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -78,6 +79,28 @@ def batch_sums(stacked: torch.Tensor, sizes: list[int], metric_values: list[list
     """``[loss_sum, count, metric_sums...]`` from the batches' float64 losses, each weighted by its sample count."""
     weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
     return [(stacked * weights).sum(), float(sum(sizes))] + [weighted_sum(v, weights) for v in metric_values]
+
+
+def real_part(outputs: Any, targets: Any, loss: torch.Tensor, keep: int, rows: int,
+              loss_fn: Callable | None) -> tuple[torch.Tensor, Any, Any]:
+    """``(loss, outputs, targets)`` of a batch's first ``keep`` of ``rows`` rows, for the epoch's sums.
+
+    The loss is ``loss_fn`` over those rows, without a second forward. A model's own loss (no ``loss_fn``) is
+    the one it computed over the whole batch: it has no per-row form.
+
+    Example:
+        >>> import torch
+        >>> out, y = torch.tensor([[1.0], [3.0]]), torch.zeros(2, 1)
+        >>> real_part(out, y, torch.tensor(5.0), 1, 2, torch.nn.MSELoss())[0]
+        tensor(1.)
+    """
+    if keep == 0:
+        return loss, outputs, targets  # weighed 0
+    with torch.no_grad():
+        outputs, targets = B.head(outputs, keep, rows), B.head(targets, keep, rows)
+        if loss_fn is not None:
+            loss = loss_fn(outputs, targets).detach()
+    return loss, outputs, targets
 
 
 def means(prefix: str, sums: list[float], metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""What the main process says about training beside the bar: a line per epoch, and validation every N steps.
+"""What the main process says about training beside the bar: a line per epoch, validation every N steps, resumes.
 
 The epoch line (rank 0) goes to this module's logger at INFO, and, when the
 progress bar is on but not on a terminal (``nohup``, SLURM, a pipe: tqdm's
@@ -6,6 +6,12 @@ bar then leaves one frozen line per epoch), it is also printed through
 ``tqdm.write``, so a log file gets the epoch's numbers::
 
     epoch 2/10: train_loss=0.4117 train_mae=0.5012 val_loss=0.4305 val_mae=0.5155 lr=0.05 time=1.32s
+
+Where a run started with ``resume`` continues is always printed to stderr (:func:`say`), as Lightning's
+"Restoring states from the checkpoint path at ..."::
+
+    nn_handler: resuming from ckpt/epoch-0002-batch-000004.ckpt, the newest of the 3 checkpoints in ckpt by
+    write order: epoch 2 continues after 4 batches, at global step 14
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -51,6 +57,36 @@ def report_epoch(line: str, bar: bool) -> None:
         from tqdm.auto import tqdm
 
         tqdm.write(line, file=sys.stderr)  # between bars, as tqdm keeps them apart
+
+
+def say(line: str, logger: logging.Logger = log) -> None:
+    """Log ``line`` at INFO and print it to stderr, on a terminal or not, between any progress bars (main process).
+
+    For what a user must not miss, such as where a resumed run continues: a logger
+    that nobody configured shows no INFO record.
+    """
+    logger.info("%s", line)
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def resumed_line(path: Any, why: str, epoch: int, global_step: int, batches: int | None, stopped: bool) -> str:
+    """What a run resumed from a checkpoint says: which file, which epoch and step it continues at.
+
+    Example:
+        >>> resumed_line("ckpt/epoch-0002-batch-000004.ckpt", "", 1, 14, 4, False)[31:]
+        'epoch-0002-batch-000004.ckpt: epoch 2 continues after 4 batches, at global step 14'
+        >>> resumed_line("ckpt/epoch-0002.ckpt", "", 2, 20, None, False)
+        'nn_handler: resuming from ckpt/epoch-0002.ckpt: 2 epochs complete, epoch 3 starts at global step 20'
+    """
+    if stopped:
+        where = f"the run stopped early after epoch {epoch} (global step {global_step}): nothing more to train"
+    elif batches:
+        where = f"epoch {epoch + 1} continues after {batches} batches, at global step {global_step}"
+    else:
+        where = f"{epoch} epochs complete, epoch {epoch + 1} starts at global step {global_step}"
+    return f"nn_handler: resuming from {path}{why}: {where}"
 
 
 def _on_terminal(stream: Any) -> bool:

@@ -39,6 +39,7 @@ from .buffers import sync_buffers
 from .config import TrainingConfig
 from .data import sampler_generator
 from .parts import MODEL, OPTIMIZER, Parts
+from .report import resumed_line, say
 from .sharding import full_model_state
 from .sharded_checkpoint import plain_keys
 from .state import TrainingState
@@ -256,10 +257,11 @@ def _plan_run(config: TrainingConfig, state: TrainingState) -> tuple[dict[str, A
                 damaged.add(entry.path)
                 continue
             path, run_id = entry.path, entry.run_id
-            why = f", the newest of the {len(found)} checkpoints in {directory} by write order"
+            why = (f", the newest of the {len(found)} checkpoints in {directory} by write order" if len(found) > 1
+                   else f", the only checkpoint in {directory}")
             break
         else:
-            log.info("no checkpoint in %s yet: training starts from the beginning", directory)
+            say(f"nn_handler: resume='auto': no checkpoint in {directory} yet, training starts from the beginning", log)
     elif resume is not None:
         path = Path(resume)
         if found:
@@ -313,8 +315,8 @@ def _resume_from(parts: Parts, state: TrainingState, path: Path, payload: dict[s
     state.finished_early = bool(payload.get("stopped", False))
     if parts.is_main_process:
         partial = state.resume_partial
-        log.info("resumed from %s%s: %d epochs complete%s", path, why, state.epoch,
-                 f", {partial['batches']} batches into epoch {state.epoch + 1}" if partial else "")
+        say(resumed_line(path, why, state.epoch, state.global_step, partial and partial["batches"],
+                         state.finished_early), log)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -19,13 +19,18 @@ A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
 HF Trainer also counts it in ``global_step`` but holds its scheduler back),
 so the LR is a function of ``global_step`` alone and a resume needs nothing more.
 
+A per-step schedule is sized in optimizer steps: :func:`optimizer_steps_per_epoch` (``handler.steps_per_epoch``)
+counts those of an epoch on this rank, as Lightning's ``estimated_stepping_batches`` does for a whole run.
+
 Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
-``scheduler_interval=``, ``set_scheduler``, the hooks of :class:`~nn_handler.Callback`).
+``scheduler_interval=``, ``set_scheduler``, ``steps_per_epoch``, the hooks of :class:`~nn_handler.Callback`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
+from typing import Any, Callable
 
 import torch
 from torch.optim import lr_scheduler
@@ -98,6 +103,43 @@ def learning_rates(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, fl
     if len(optimizers) == 1:
         return {"lr": next(iter(optimizers.values())).param_groups[0]["lr"]}
     return {f"lr_{name}": optimizer.param_groups[0]["lr"] for name, optimizer in optimizers.items()}
+
+
+def epoch_learning_rates(optimizers: dict[str, torch.optim.Optimizer],
+                         resume: dict[str, Any] | None) -> dict[str, float]:
+    """The History's learning rates for the epoch about to run: :func:`learning_rates` now, or, for an epoch
+    continued after a stop, those of its first step (a per-step scheduler has moved them on since).
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0475)
+        >>> epoch_learning_rates({"optimizer": opt}, None), epoch_learning_rates({"optimizer": opt},
+        ...                                                                      {"epoch_start": {"lr": {"lr": 0.05}}})
+        ({'lr': 0.0475}, {'lr': 0.05})
+    """
+    started = None if resume is None else resume["epoch_start"].get("lr")  # absent from older checkpoints
+    return dict(started) if started else learning_rates(optimizers)
+
+
+def optimizer_steps_per_epoch(loader: Any, grad_accum_steps: int) -> int:
+    """Optimizer steps one epoch of ``loader`` makes on this rank, after accumulation.
+
+    A step per ``grad_accum_steps`` batches; the epoch's last group counts also when it is shorter (the loop
+    steps at its end).
+
+    Example:
+        >>> optimizer_steps_per_epoch(range(7), 1), optimizer_steps_per_epoch(range(7), 3)
+        (7, 3)
+    """
+    if loader is None:
+        raise ConfigurationError("steps_per_epoch needs the training data: call set_train_loader() first")
+    try:
+        batches = len(loader)  # under DDP, the batches of this rank's shard
+    except TypeError:
+        raise ConfigurationError(
+            "steps_per_epoch: the training loader has no length (an IterableDataset without __len__), so an "
+            "epoch's steps are not known before it ends; size the schedule from your own count, or train by "
+            "steps (train(max_steps=N)) with a schedule of N steps") from None
+    return math.ceil(batches / grad_accum_steps)
 
 
 def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import ConfigurationError
 from . import batches as B
+from . import metrics as M
 from .config import TrainingConfig
 from .context import StepContext
 from .parts import Parts
@@ -61,6 +62,9 @@ class TrainingStep:
             )
         ctx.backward(loss)
         ctx.step()
+        if ctx._real_rows is not None:  # DistributedSampler padding: trained on, as DDP must; not in the History
+            loss, outputs, targets = M.real_part(outputs, targets, loss.detach(), ctx._real_rows,
+                                                 B.size_of(inputs, targets), self.loss_fn)
         if not self.metrics:
             return loss
         with torch.no_grad():
@@ -190,13 +194,16 @@ class MicroBatches:
         return cls(TrainingStep(parts.loss_fn, config.metrics), ctx, StepValues("the step", list(config.metrics)),
                    state)
 
-    def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool) -> tuple[torch.Tensor, list]:
+    def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool,
+            real_rows: int | None = None) -> tuple[torch.Tensor, list]:
         """The step on micro-batch ``batch`` (number ``index`` of the epoch): ``(detached loss, values)``.
 
         ``ends_group``: the optimizers step now. ``pause_sync``: off the
         group's end, the models keep their gradients on this rank.
+        ``real_rows``: the batch's real samples when the rest is ``DistributedSampler`` padding.
         """
         ctx = self.ctx
+        ctx._real_rows = real_rows
         if self._starts_group:
             self._zero_grads()
             self._starts_group = False

@@ -283,7 +283,7 @@ def test_readme_taste_as_a_script_prints_each_line_once(tmp_path):
     result = run_command([sys.executable, str(script)], timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stdout
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines.count("False 0 1 cpu") == 1 and lines.count("[3, 3]") == 1, result.stdout
+    assert lines.count("False 0 1 cpu") == 1 and lines.count("[(3, 2, 'cpu'), (3, 2, 'cpu')]") == 1, result.stdout
     assert len(lines) == len(set(lines)), result.stdout  # the device line and its warning once too
 
 

@@ -298,7 +298,7 @@ def test_overwrite_starts_a_new_run_whose_checkpoints_stay_and_resume(tmp_path, 
     caplog.set_level(logging.INFO, logger="nn_handler")
     second = build(tmp_path, resume="auto")
     second.train(EPOCHS, progress=False)
-    assert f"resumed from {info.value.checkpoint}" in caplog.text
+    assert f"resuming from {info.value.checkpoint}" in caplog.text
     assert summary(second) == straight
     assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
 
@@ -316,7 +316,7 @@ def test_auto_resume_takes_the_newest_checkpoint_by_write_order_not_by_epoch(tmp
     steps = _Steps()
     rerun = build(tmp_path, resume="auto", callbacks=[steps])
     rerun.train(EPOCHS, progress=False)
-    assert f"resumed from {info.value.checkpoint}" in caplog.text
+    assert f"resuming from {info.value.checkpoint}" in caplog.text
     assert steps.steps == [21, 22, 23, 24]  # the rest of the preempted epoch, not "nothing to do"
     assert summary(rerun) == straight
 

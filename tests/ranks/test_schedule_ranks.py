@@ -103,5 +103,5 @@ def test_two_ranks_per_step_schedule_and_ema_match_a_hand_written_loop(tmp_path)
     assert history == results[1]["history"]
     assert history["step"] == [4, 6, 8, 12, 16, 18, 20, 24]  # 6 steps an epoch; 12 and 24 end their epochs
     epoch_rows = [(v, e) for e, s, v in zip(history["epoch"], history["step"], history["val_loss"]) if s % 6 == 0]
-    kept = sorted(f"epoch={e:04d}.ckpt" for _, e in sorted(epoch_rows)[:2])
+    kept = sorted(f"epoch-{e:04d}.ckpt" for _, e in sorted(epoch_rows)[:2])
     assert results[0]["files"] == kept

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import ConfigurationError, ModelCheckpoint, NNHandler
+from nn_handler import ConfigurationError, EarlyStopping, ModelCheckpoint, NNHandler
 from scripts.handler_case import make_data, make_model, mae
 
 
@@ -69,6 +69,41 @@ def test_ema_average_is_in_checkpoints_and_restored_before_training(tmp_path):
     assert int(restored.module.n_averaged) == 10
 
 
+def test_ema_loaded_from_a_checkpoint_is_usable_without_training(tmp_path):
+    ema = EMA(decay=0.9)
+    handler = make([ema])
+    handler.train(2, progress=False)
+    handler.save_checkpoint(tmp_path / "final.ckpt")
+    X = make_data(16, seed=1)[0]
+    with ema.swapped(handler):
+        expected_loss, expected = handler.evaluate()["loss"], handler.predict(X)
+    for resume in (False, True):
+        loaded = EMA(decay=0.9)
+        fresh = make([loaded])
+        if resume:
+            fresh.load_checkpoint(tmp_path / "final.ckpt")
+        else:  # the average restored by the callback's own load_state_dict, no handler load
+            fresh.load_checkpoint(tmp_path / "final.ckpt", resume=False)
+            loaded.load_state_dict(torch.load(tmp_path / "final.ckpt", weights_only=True)["callbacks"]["EMA"])
+        if resume:
+            assert loaded.module is not None and int(loaded.module.n_averaged) == 10
+        with loaded.swapped(fresh):
+            assert fresh.evaluate()["loss"] == expected_loss
+            assert torch.equal(fresh.predict(X), expected)
+            fresh.export_model(tmp_path / "ema.pt")
+        assert all(torch.equal(torch.load(tmp_path / "ema.pt", weights_only=True)[k], v)
+                   for k, v in ema.module.module.state_dict().items())
+        assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), handler.module.parameters()))
+    assert fresh.train(2, progress=False) is fresh.history  # a finished run: nothing to do, the average stays
+    assert int(loaded.module.n_averaged) == 10
+
+
+def test_ema_without_an_average_says_how_to_get_one():
+    with pytest.raises(RuntimeError, match="train with this callback, or load a checkpoint"):
+        with EMA().swapped(make()):
+            pass
+
+
 def test_ema_refuses_bad_decay_and_sharded_models():
     with pytest.raises(ConfigurationError, match=r"decay must be a number in \(0, 1\), got 1"):
         EMA(decay=1)
@@ -97,26 +132,26 @@ def run_top_k(cb, values, start=1):
 
 
 def files(directory):
-    return sorted(p for p in os.listdir(directory) if p.startswith("epoch="))
+    return sorted(p for p in os.listdir(directory) if p.startswith("epoch-"))
 
 
 def test_save_top_k_keeps_the_k_best_and_deletes_the_rest(tmp_path):
     cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     tmp_path.mkdir(exist_ok=True)
     run_top_k(cb, [3.0, 1.0, 2.0, 0.5, 2.5, float("nan")])
-    assert files(tmp_path) == ["epoch=0002.ckpt", "epoch=0004.ckpt"]
-    assert cb.best == 0.5 and cb.best_path.endswith("epoch=0004.ckpt")
+    assert files(tmp_path) == ["epoch-0002.ckpt", "epoch-0004.ckpt"]
+    assert cb.best == 0.5 and cb.best_path.endswith("epoch-0004.ckpt")
     maximize = ModelCheckpoint(tmp_path / "max", mode="max", save_top_k=1, save_last=False)
     (tmp_path / "max").mkdir()
     run_top_k(maximize, [1.0, 3.0, 2.0])
-    assert files(tmp_path / "max") == ["epoch=0002.ckpt"]
+    assert files(tmp_path / "max") == ["epoch-0002.ckpt"]
 
 
 def test_save_top_k_ties_keep_the_earlier_epoch(tmp_path):
     cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     run_top_k(cb, [1.0, 1.0, 1.0, 0.9])
     # Epoch 3 tied the worst kept (epoch 2, later than epoch 1): not saved; 0.9 then drops epoch 2.
-    assert files(tmp_path) == ["epoch=0001.ckpt", "epoch=0004.ckpt"]
+    assert files(tmp_path) == ["epoch-0001.ckpt", "epoch-0004.ckpt"]
 
 
 def test_save_top_k_goes_on_pruning_after_a_resume(tmp_path):
@@ -125,7 +160,7 @@ def test_save_top_k_goes_on_pruning_after_a_resume(tmp_path):
     resumed = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
     resumed.load_state_dict(cb.state_dict())
     run_top_k(resumed, [1.0, 2.5], start=3)
-    assert files(tmp_path) == ["epoch=0002.ckpt", "epoch=0003.ckpt"]  # epoch 1's file, from before, deleted
+    assert files(tmp_path) == ["epoch-0002.ckpt", "epoch-0003.ckpt"]  # epoch 1's file, from before, deleted
 
 
 def test_save_top_k_with_a_real_run_and_its_checkpoint_state(tmp_path):
@@ -134,9 +169,69 @@ def test_save_top_k_with_a_real_run_and_its_checkpoint_state(tmp_path):
     handler.train(4, progress=False)
     losses = handler.history["val_loss"]
     best = sorted(range(1, 5), key=lambda e: losses[e - 1])[:2]
-    assert files(tmp_path) == sorted(f"epoch={e:04d}.ckpt" for e in best)
+    assert files(tmp_path) == sorted(f"epoch-{e:04d}.ckpt" for e in best)
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]["ModelCheckpoint"]
     assert sorted(int(e) for _, _, e in state["kept"]) == sorted(best)
+
+
+def test_validate_every_ranks_and_stops_on_the_validated_epochs_and_keeps_last_on_the_others(tmp_path):
+    top, best = ModelCheckpoint(tmp_path / "top", save_top_k=1), ModelCheckpoint(tmp_path / "best", save_best_only=True)
+    handler = make([top, best])
+    handler.train(5, validate_every=2, progress=False)
+    validated = {e: v for e, v in zip(handler.history["epoch"], handler.history["val_loss"]) if v is not None}
+    assert sorted(validated) == [2, 4]
+    winner = min(validated, key=validated.get)
+    assert files(tmp_path / "top") == [f"epoch-{winner:04d}.ckpt"]
+    assert sorted(os.listdir(tmp_path / "best")) == ["best.ckpt", "last.ckpt"]
+    assert best.best == top.best == validated[winner]
+    for directory in ("top", "best"):  # last.ckpt after every epoch, the unvalidated 5th included
+        assert torch.load(tmp_path / directory / "last.ckpt", weights_only=True)["epoch"] == 5
+    # This validation set's loss goes up: epoch 4 is the first validation without improvement.
+    assert validated[4] > validated[2]
+    stopper = EarlyStopping("val_loss", patience=1)
+    make([stopper]).train(8, validate_every=2, progress=False)
+    assert stopper.stopped_epoch == 4 and stopper.best == pytest.approx(validated[2])
+
+
+def test_a_val_monitor_without_a_validation_loader_is_still_refused(tmp_path):
+    with pytest.raises(ValueError, match="set a validation loader"):
+        make([ModelCheckpoint(tmp_path, save_top_k=1)], val=False).train(2, validate_every=2, progress=False)
+
+
+def test_model_checkpoint_names_its_files_as_checkpoint_dir_does(tmp_path):
+    from nn_handler.checkpoint import list_run_checkpoints, run_checkpoint_key
+
+    handler = make([ModelCheckpoint(tmp_path / "every")], checkpoint_dir=tmp_path / "run", keep_last=5)
+    handler.train(3, progress=False)
+    names = ["epoch-0001.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt"]
+    assert files(tmp_path / "every") == sorted(os.listdir(tmp_path / "run")) == names
+    assert [run_checkpoint_key(name) for name in files(tmp_path / "every")] == [(1, 0), (2, 0), (3, 0)]
+    # A save_best_only callback shares the run's directory: resume="auto" continues the run's newest file.
+    for epochs in (2, 3):
+        shared = make([ModelCheckpoint(tmp_path / "shared", save_best_only=True)], checkpoint_dir=tmp_path / "shared",
+                      resume="auto")
+        shared.train(epochs, progress=False)
+    assert shared.history["epoch"] == [1, 2, 3] and shared.global_step == 15
+    assert sorted(os.listdir(tmp_path / "shared")) == ["best.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt", "last.ckpt"]
+    assert [p.name for p in list_run_checkpoints(tmp_path / "shared")] == ["epoch-0002.ckpt", "epoch-0003.ckpt"]
+
+
+def test_model_checkpoint_epoch_files_in_the_runs_own_directory_are_refused_before_training(tmp_path):
+    handler = make([ModelCheckpoint(tmp_path, save_top_k=2)], checkpoint_dir=tmp_path)
+    with pytest.raises(ConfigurationError, match=r"dirpath is the handler's checkpoint_dir .*directory of its own"):
+        handler.train(2, progress=False)
+    assert handler.global_step == 0 and os.listdir(tmp_path) == []
+
+
+def test_save_top_k_resumed_from_a_list_with_the_old_names_goes_on_pruning_it(tmp_path):
+    old = [str(tmp_path / f"epoch={e:04d}.ckpt") for e in (1, 2, 3)]  # nn_handler <= 0.1's names
+    for path in old:
+        open(path, "w").close()
+    cb = ModelCheckpoint(tmp_path, save_top_k=2, save_last=False)
+    cb.load_state_dict({"best": 1.0, "best_path": old[0], "kept": [[old[0], 1.0, 1], [old[2], 3.0, 3]]})
+    run_top_k(cb, [0.5, 2.0], start=3)  # epoch 3 again (resumed from epoch 2's checkpoint), then epoch 4
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch=0001.ckpt", "epoch=0002.ckpt"]
+    assert [e for _, _, e in cb.kept] == [3, 1]
 
 
 def test_save_top_k_checks_its_arguments():

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from nn_handler import NNHandler
 from nn_handler.callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
 from nn_handler.errors import MissingExtraError
-from scripts.handler_case import make_data, make_handler, make_model, reference_train, weights
+from scripts.handler_case import mae, make_data, make_handler, make_model, reference_train, weights
 
 EPOCHS, BATCH = 3, 8
 
@@ -203,7 +203,7 @@ def test_csv_logger_and_model_checkpoint(tmp_path, data):
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
     assert list(rows[0]) == history.keys()
     assert [float(r["val_loss"]) for r in rows] == pytest.approx(history["val_loss"])
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0002.ckpt", "epoch=0004.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch-0002.ckpt", "epoch-0004.ckpt", "last.ckpt"]
 
 
 def test_model_checkpoint_save_best_only(tmp_path, data):
@@ -358,3 +358,64 @@ def test_non_finite_loss_on_cuda_is_caught_at_epoch_end_without_per_step_sync(da
     handler.set_train_loader((X, y), batch_size=BATCH, shuffle=False)
     with pytest.raises(NonFiniteLossError, match="step 2"):
         handler.train(1, progress=False)
+
+
+class NoLabels(nn.Module):
+    """A model whose forward takes the inputs by name and no ``labels``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_model_without_a_labels_parameter_gets_the_batch_without_them_and_trains_as_the_hand_written_loop():
+    X, y = make_data(40)
+    Xv, yv = make_data(12, seed=1)
+    samples = [{"x": a, "labels": b} for a, b in zip(X, y)]
+    handler = NNHandler(NoLabels(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.05}, device="cpu")
+    handler.set_train_loader(samples, batch_size=8, shuffle=False)
+    handler.set_val_loader([{"x": a, "labels": b} for a, b in zip(Xv, yv)], batch_size=8)
+    history = handler.train(2, progress=False)
+    model = NoLabels()
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.05), []
+    for _ in range(2):
+        for i in range(0, 40, 8):
+            loss = nn.functional.mse_loss(model(X[i:i + 8]), y[i:i + 8])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert history["train_loss"] == pytest.approx([sum(losses[:5]) / 5, sum(losses[5:]) / 5], rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(handler.module.parameters(), model.parameters()))
+    with torch.no_grad():
+        assert handler.evaluate()["loss"] == pytest.approx(nn.functional.mse_loss(model(Xv), yv).item(), rel=1e-6)
+        assert torch.equal(handler.predict([{"x": a, "labels": b} for a, b in zip(Xv, yv)]), model(Xv))
+
+
+def test_a_distributed_samplers_padding_is_trained_on_but_not_counted_in_the_history():
+    X, y = make_data(13)
+    data = TensorDataset(X, y)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)  # 6 real + 1 padding
+    rows = list(sampler)
+    assert rows == [1, 3, 5, 7, 9, 11, 0]
+    class Losses(Callback):
+        def __init__(self):
+            self.trained = []
+
+        def on_batch_end(self, handler, step, loss):
+            self.trained.append(float(loss))
+
+    model, losses = make_model(), Losses()
+    handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.0}, metrics={"mae": mae},
+                        device="cpu", callbacks=[losses])
+    handler.train_loader = DataLoader(data, batch_size=4, sampler=sampler)
+    history = handler.train(1, progress=False)
+    with torch.no_grad():
+        real = rows[:6]
+        assert history["train_loss"][0] == pytest.approx(nn.functional.mse_loss(model(X[real]), y[real]).item())
+        assert history["train_mae"][0] == pytest.approx(mae(model(X[real]), y[real]).item(), rel=1e-6)
+        # The hooks see the loss that was trained on: the whole last batch, padding included.
+        assert losses.trained[-1] == pytest.approx(nn.functional.mse_loss(model(X[rows[4:]]), y[rows[4:]]).item())

@@ -313,3 +313,21 @@ def test_optimizer_groups_that_do_not_fit_are_refused_before_anything_changes(tm
     with pytest.raises(CheckpointMismatchError, match=r"a\.ckpt holds optimizer state for 1 parameter group"):
         groups.load_checkpoint(tmp_path / "a.ckpt")
     assert _state(groups) == before
+
+
+def test_a_resumed_run_says_on_stderr_which_file_epoch_and_step_it_continues_at(tmp_path, capsys):
+    def run(**train):
+        X, y = make_data(40)
+        handler = make_handler(checkpoint_dir=tmp_path, resume="auto")
+        handler.set_train_loader((X, y), batch_size=8)  # 5 batches an epoch
+        handler.train(progress=False, **train)
+        return capsys.readouterr().err  # a captured stream: off a terminal
+
+    said = run(epochs=3, max_steps=8)
+    assert f"resume='auto': no checkpoint in {tmp_path} yet, training starts from the beginning" in said
+    said = run(epochs=3)
+    assert (f"nn_handler: resuming from {tmp_path / 'epoch-0002-batch-000003.ckpt'}, the newest of the 2 "
+            f"checkpoints in {tmp_path} by write order: epoch 2 continues after 3 batches, at global step 8") in said
+    said = run(epochs=4)
+    assert "epoch-0003.ckpt, the newest of the 2 checkpoints" in said
+    assert "3 epochs complete, epoch 4 starts at global step 15" in said

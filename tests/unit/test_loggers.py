@@ -199,3 +199,33 @@ def test_a_run_resumed_with_resume_auto_from_a_mid_epoch_checkpoint_continues_th
 
     assert_curves_of_a_straight_run(got, resumed, straight, want)
     assert [s for s, _ in got["part_epoch/epoch"]] == [17]
+
+
+def test_a_per_step_schedule_s_epoch_lr_after_a_stop_a_resume_or_a_preemption_is_the_straight_run_s(tmp_path):
+    import os
+
+    from nn_handler import TrainingPreempted
+    from scripts.scale_case import AtStep, sigterm_to
+
+    def run(name, limits=(), resume=None, callbacks=()):
+        handler = make([TensorBoardLogger(tmp_path / name, log_every_n_steps=100), *callbacks], scheduler=None,
+                       scheduler_interval="step", checkpoint_dir=resume and tmp_path / f"{resume}.ckpts",
+                       resume=resume and "auto")
+        handler.set_scheduler(torch.optim.lr_scheduler.LambdaLR(handler.optimizer, lambda s: 0.95 ** s))
+        for limit in limits:  # each a train() call
+            handler.train(3, progress=False, **limit)
+        return handler
+
+    straight = run("straight", [{}])
+    assert len(set(straight.history["lr"])) == 3  # the schedule moves the LR within each epoch
+    continued = run("continued", [{"max_steps": 17}, {}])  # stopped 5 batches into epoch 2, then continued
+    run("resumed", [{"max_steps": 17}], resume="resumed")
+    resumed = run("resumed", [{}], resume="resumed")  # a new handler, from the mid-epoch checkpoint
+    with pytest.raises(TrainingPreempted):
+        run("preempted", [{}], resume="preempted", callbacks=[AtStep(17, sigterm_to(os.getpid), accum=1)])
+    preempted = run("preempted", [{}], resume="preempted")
+    want = read_scalars(tmp_path / "straight")["epoch/lr"]
+    for handler, name in ((continued, "continued"), (resumed, "resumed"), (preempted, "preempted")):
+        for key in LEARNING:
+            assert handler.history[key] == straight.history[key], (name, key)
+        assert read_scalars(tmp_path / name)["epoch/lr"] == want, name

@@ -102,6 +102,39 @@ def test_per_step_schedule_and_ema_match_a_hand_written_loop(kind, accum):
         assert handler.scheduler_interval is None and max(log.lrs) == pytest.approx(0.1, rel=0.05)
 
 
+@pytest.mark.parametrize("accum", [1, 2, 3, 7])  # 13 batches: 2 and 3 leave a short last group, 7 one of 6
+def test_steps_per_epoch_counts_the_optimizer_steps_an_epoch_takes_and_sizes_a_warm_up(accum):
+    X, y = make_data(100)
+    log = StepLog()
+    handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": LR},
+                        scheduler_interval="step", grad_accum_steps=accum, callbacks=[log], device="cpu")
+    handler.set_train_loader((X, y), batch_size=8)
+    total = 2 * handler.steps_per_epoch
+    warm = max(1, total // 4)  # a linear warm-up, then a linear decay that would reach 0 one step after the last
+    handler.set_scheduler(lr_scheduler.LambdaLR(
+        handler.optimizer, lambda s: (s + 1) / warm if s < warm else (total - s) / (total - warm)))
+    handler.train(1, progress=False)
+    assert handler.steps_per_epoch == len(log.after) == -(-13 // accum)
+    handler.train(2, progress=False)
+    assert handler.global_step == total
+    assert log.lrs[warm - 1] == pytest.approx(LR)
+    assert log.lrs[-1] == pytest.approx(LR / (total - warm))  # the schedule's last step is the run's last
+
+
+def test_steps_per_epoch_needs_a_sized_training_loader():
+    handler = NNHandler(make_model(), torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": LR})
+    with pytest.raises(ConfigurationError, match=r"call set_train_loader\(\) first"):
+        handler.steps_per_epoch
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(*make_data(16)))
+
+    handler.set_train_loader(DataLoader(Stream(), batch_size=4))
+    with pytest.raises(ConfigurationError, match=r"has no length .*train\(max_steps=N\)"):
+        handler.steps_per_epoch
+
+
 def test_one_cycle_leaves_its_warm_up_without_an_interval_given():
     # The report: per epoch, OneCycleLR never left its warm-up (0.0004 -> 0.000555 over 12 epochs).
     handler = handler_for(lr_scheduler.OneCycleLR, 1, [], scheduler_kwargs={"max_lr": 1e-2, "total_steps": 5 * 4})
