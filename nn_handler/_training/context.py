@@ -112,6 +112,7 @@ class StepContext:
         # The real samples of a batch that ends in DistributedSampler padding (else None): the built-in
         # step's loss and metrics for the History cover those rows only.
         self._real_rows: int | None = None
+        self._counted_loss: torch.Tensor | None = None  # the built-in step's loss over those rows
 
     @property
     def model(self) -> nn.Module:

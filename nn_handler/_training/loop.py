@@ -285,11 +285,11 @@ class Loop:
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
                     n = B.sample_count(batch)
                     keep = rows.take(n)  # DistributedSampler padding: trained on, as DDP must; weighed 0 in the sums
-                    loss, returned = steps.run(batch, i, boundary, pause_sync, None if keep == n else keep)
+                    loss, counted, returned = steps.run(batch, i, boundary, pause_sync, None if keep == n else keep)
                     if boundary:
                         note_step(state.global_step)
                         micro = 0
-                    losses.append(loss)
+                    losses.append(counted)
                     sizes.append(keep)
                     if returned:
                         values = values or [[] for _ in returned]

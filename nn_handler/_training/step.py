@@ -63,8 +63,8 @@ class TrainingStep:
         ctx.backward(loss)
         ctx.step()
         if ctx._real_rows is not None:  # DistributedSampler padding: trained on, as DDP must; not in the History
-            loss, outputs, targets = M.real_part(outputs, targets, loss.detach(), ctx._real_rows,
-                                                 B.size_of(inputs, targets), self.loss_fn)
+            ctx._counted_loss, outputs, targets = M.real_part(outputs, targets, loss.detach(), ctx._real_rows,
+                                                              B.size_of(inputs, targets), self.loss_fn)
         if not self.metrics:
             return loss
         with torch.no_grad():
@@ -195,15 +195,17 @@ class MicroBatches:
                    state)
 
     def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool,
-            real_rows: int | None = None) -> tuple[torch.Tensor, list]:
-        """The step on micro-batch ``batch`` (number ``index`` of the epoch): ``(detached loss, values)``.
+            real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """The step on micro-batch ``batch`` (number ``index`` of the epoch): ``(loss, counted loss, values)``,
+        detached: the loss trained on, and the one the History counts.
 
         ``ends_group``: the optimizers step now. ``pause_sync``: off the
         group's end, the models keep their gradients on this rank.
-        ``real_rows``: the batch's real samples when the rest is ``DistributedSampler`` padding.
+        ``real_rows``: the batch's real samples when the rest is ``DistributedSampler`` padding (the built-in
+        step then counts the loss over those rows; a user's step's loss is its own, over the whole batch).
         """
         ctx = self.ctx
-        ctx._real_rows = real_rows
+        ctx._real_rows, ctx._counted_loss = real_rows, None
         if self._starts_group:
             self._zero_grads()
             self._starts_group = False
@@ -219,7 +221,8 @@ class MicroBatches:
             result = self.fn(ctx, batch)
         if ends_group:
             self.end_group()
-        return self.values.read(result)
+        loss, values = self.values.read(result)
+        return loss, loss if ctx._counted_loss is None else ctx._counted_loss, values
 
     def end_group(self, step_asked: bool = False) -> int:
         """Close the accumulation group: its optimizer steps (``step_asked``: those the last micro-batch asked
