@@ -96,6 +96,10 @@ def _hygiene(request):
     assert not extra, f"test left child processes running: {sorted(extra)}"
 
 
+# Every test in these folders starts processes (workers, ranks, launchers, Ray): all are marked slow.
+SLOW_FOLDERS = {"pool", "ranks", "launch", "cluster"}
+
+
 def _shared_with_other_tests(item) -> set[str]:
     """What ``item`` shares with other tests: the fixtures wider than a test that ``tests/`` defines, and Ray."""
     shared = {"ray"} if Path(item.path).is_relative_to(REPO / "tests" / "cluster") else set()
@@ -120,7 +124,7 @@ def assign_xdist_groups(items) -> None:
     ``slurm_env``) or Ray (``tests/cluster/``: one Ray at a time, never two side
     by side) form one group, so the fixture is made once and a machine-wide
     resource has one owner; two groups that a test joins are one. A test with
-    its own ``xdist_group`` mark keeps it (``serial``: see ``ALONE``).
+    its own ``xdist_group`` mark keeps it.
     """
     root: dict[str, str] = {}
 
@@ -144,6 +148,10 @@ def assign_xdist_groups(items) -> None:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     assign_xdist_groups(items)
+    for item in items:  # what starts processes is slow: the quick subset (-m "not slow") is the rest
+        path = Path(item.path)
+        if path.is_relative_to(REPO / "tests") and path.relative_to(REPO / "tests").parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
