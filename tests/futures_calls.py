@@ -98,3 +98,11 @@ def raise_as(kind):
 def touch(path):
     open(path, "w").close()
     return path
+
+
+def value_once_there(path, value):
+    """``value`` once ``path`` exists (60 s at most): a task that ends when the test lets it, however slow the machine."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value

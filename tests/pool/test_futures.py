@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from futures_calls import (CodedError, ErrorAtPickle, add, divide, exits, fail_on, interrupts, make_dummy,  # noqa: F401
-                           pid_of, raise_as, sleep_then, square, touch, unpicklable_result)
+                           pid_of, raise_as, sleep_then, square, touch, unpicklable_result, value_once_there)
 from helpers import pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError
 from nn_handler.errors import ConfigurationError
@@ -715,15 +715,18 @@ def test_as_completed_while_the_engine_starts_a_queued_task(monkeypatch):
             assert got == [0, 1, 9], round_
 
 
-def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone():
+def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone(tmp_path):
     # Ctrl-C reaches the main thread while it waits in the driver's poll, where nothing is half-read:
     # the task goes on, its result can still be had, and the workers are the same.
     with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
         pids = ex.run(pid_of)
-        future = ex.submit(sleep_then, 2.0, 7)
+        go = tmp_path / "go"
+        # The task ends once the Ctrl-C was seen: on a loaded machine the timer may fire late, never after it.
+        future = ex.submit(value_once_there, str(go), 7)
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt):
             future.result()
+        go.touch()
         assert future.result() == 7
         assert ex.run(pid_of) == pids
 
