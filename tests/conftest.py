@@ -3,6 +3,7 @@ no launcher variables and no child process behind."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -95,13 +96,80 @@ def _hygiene(request):
     assert not extra, f"test left child processes running: {sorted(extra)}"
 
 
+# Every test in these folders starts processes (workers, ranks, launchers, Ray): all are marked slow.
+SLOW_FOLDERS = {"pool", "ranks", "launch", "cluster"}
+
+
+def _shared_with_other_tests(item) -> set[str]:
+    """What ``item`` shares with other tests: the fixtures wider than a test that ``tests/`` defines, and Ray."""
+    shared = {"ray"} if Path(item.path).is_relative_to(REPO / "tests" / "cluster") else set()
+    info = getattr(item, "_fixtureinfo", None)
+    for name, definitions in (info.name2fixturedefs.items() if info else ()):
+        fixture = definitions[-1]
+        if fixture.scope == "function" or getattr(fixture, "_autouse", False):  # autouse: every test has it
+            continue
+        where = Path(inspect.getsourcefile(fixture.func) or "")
+        if where.is_relative_to(REPO / "tests"):  # not pytest's own (tmp_path_factory, ...)
+            shared.add(f"{where.stem}.{name}")
+    return shared
+
+
+def assign_xdist_groups(items) -> None:
+    """Put the tests that share something wider than a test on one pytest-xdist worker, in one group.
+
+    The suite runs on several workers (``-n`` and ``--dist loadgroup`` in
+    setup.cfg's addopts); each worker is a pytest session of its own, running
+    its tests one after another. Tests that share a module- or session-scoped
+    fixture (a warm pool, a reference run, the local SLURM cluster of
+    ``slurm_env``) or Ray (``tests/cluster/``: one Ray at a time, never two side
+    by side) form one group, so the fixture is made once and a machine-wide
+    resource has one owner; two groups that a test joins are one. A test with
+    its own ``xdist_group`` mark keeps it.
+    """
+    root: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while root.setdefault(key, key) != key:
+            key = root[key]
+        return key
+
+    grouped = []
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            shared = sorted(_shared_with_other_tests(item))
+            for key in shared[1:]:
+                root[find(key)] = find(shared[0])
+            if shared:
+                grouped.append((item, shared[0]))
+    for item, key in grouped:  # every worker collects the same items in the same order: the same names
+        item.add_marker(pytest.mark.xdist_group(find(key)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    assign_xdist_groups(items)
+    for item in items:  # what starts processes is slow: the quick subset (-m "not slow") is the rest
+        path = Path(item.path)
+        if path.is_relative_to(REPO / "tests") and path.relative_to(REPO / "tests").parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    # pytest-xdist hands a test's group to its scheduler as a suffix of the node id. Where a pytest
+    # release drops that suffix (9.2: pytest-dev/pytest-xdist#1386, hence pytest<9.2 in the test extra),
+    # the groups would be spread over the workers without a word, two SLURM clusters or Rays at once: stop.
+    if node.config.getvalue("dist") == "loadgroup":
+        lost = [nodeid for nodeid in ids if nodeid.startswith("tests/cluster/") and "@" not in nodeid]
+        if lost:
+            pytest.exit(f"pytest-xdist did not apply the xdist_group of {lost[0]} (and {len(lost) - 1} more) "
+                        f"with pytest {pytest.__version__}: install the test extra (pip install -e '.[test]') "
+                        f"or run with -n 0", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def local_slurm_script() -> Path:

@@ -8,6 +8,7 @@ with ``pytest.importorskip``). It is not called ``tests/ray``: ``tests`` is on
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -66,6 +67,17 @@ def _no_ray_left():
         time.sleep(0.2)
         left = ray_processes()
     assert not left, f"Ray processes left running after the tests: {left}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _signal_handlers_as_before_ray():
+    """ray.init gives the driver a SIGTERM handler of its own and leaves it: the tests that a pytest-xdist
+    worker runs after a Ray module (SIGTERM and Ctrl-C ones) must find the handlers the module found."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if handler is not None:  # None: installed from C, nothing Python can put back
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="module")

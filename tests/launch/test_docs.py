@@ -267,6 +267,10 @@ def test_readme_commands_match_ci():
     assert main_command.endswith(".venv/bin/python examples/quickstart.py")  # the flagship example
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert test_command in ci, ".ci/run must run exactly the README's test command"
+    assert [line for line in ci if line.strip()][-1] == test_command, ".ci/run must end with the README's test command"
+    quick = re.findall(r"^\.venv/bin/python -m pytest .*$", readme, re.M)
+    assert len(quick) == 1, "README.md must give one quick subset command"
+    assert quick[0] in ci[:ci.index(test_command)], ".ci/run must run the README's quick subset before the full command"
     assert ".ci/newcomer" in ci, ".ci/run must run the newcomer's path"
     newcomer = (REPO / ".ci" / "newcomer").read_text().splitlines()
     assert main_command in newcomer, ".ci/newcomer must run exactly the README's main command"

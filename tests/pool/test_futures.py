@@ -27,59 +27,14 @@ import time
 import pytest
 import torch
 
+from futures_calls import (CodedError, ErrorAtPickle, add, divide, exits, fail_on, interrupts, make_dummy,  # noqa: F401
+                           pid_of, raise_as, sleep_then, square, touch, unpicklable_result, value_once_there)
 from helpers import pids_alive, run_command
 from nn_handler import ParallelExecutionError, ParallelExecutor, WorkerDiedError
 from nn_handler.errors import ConfigurationError
 
 CPU2 = ["cpu", "cpu"]
 pytestmark = pytest.mark.timeout(120)
-
-
-# Module-level: ProcessPoolExecutor pickles functions by reference.
-def square(x):
-    return x * x
-
-
-def add(a, b=0):
-    return a + b
-
-
-def divide(a, b):
-    return a / b
-
-
-def sleep_then(seconds, value):
-    time.sleep(seconds)
-    return value
-
-
-def fail_on(x, bad):
-    if x == bad:
-        raise KeyError(f"item {x}")
-    return x
-
-
-def pid_of(_=None):
-    return os.getpid()
-
-
-class ErrorAtPickle:
-    """A result no worker can send back (as CPython's test_concurrent_futures has it)."""
-
-    def __reduce__(self):
-        raise pickle.PicklingError("error at pickle")
-
-
-def unpicklable_result():
-    return ErrorAtPickle()
-
-
-def exits(code):
-    raise SystemExit(code)
-
-
-def interrupts():
-    raise KeyboardInterrupt("stop")
 
 
 def _make(kind):
@@ -286,14 +241,6 @@ def test_a_lazy_map_keeps_its_dropped_executor_until_it_is_read_or_dropped():
     assert not _wait_gone(pids, within=20)
 
 
-class Dummy:
-    pass
-
-
-def make_dummy(_):
-    return Dummy()
-
-
 @pytest.mark.parametrize("chunksize", [1, 3])
 def test_map_holds_no_result_it_has_yielded(executor, chunksize):
     # CPython #14406 (test_free_reference): the caller's loop decides how long a result lives.
@@ -312,34 +259,6 @@ def test_wait_and_as_completed(executor):
     assert [f.result() for f in cf.as_completed([slow, fast], timeout=60)][-1] == "slow" or slow in done
     done, not_done = cf.wait([slow, fast], timeout=60)
     assert done == {slow, fast} and not not_done
-
-
-class CodedError(Exception):
-    def __init__(self, message, code=None):
-        super().__init__(message)
-        self.code = code
-
-
-def raise_as(kind):
-    """A task that raises an exception with more to it than a message."""
-    if kind == "key":
-        raise KeyError("weights")
-    if kind == "missing":
-        open("/nonexistent/weights.pt")
-    if kind == "timeout":
-        raise TimeoutError("the device did not answer")
-    if kind == "reset":
-        raise ConnectionResetError(errno.ECONNRESET, "peer went away")
-    if kind == "group":
-        raise ExceptionGroup("two failures", [ValueError(1), KeyError(2)])
-    if kind in ("runtime", "plain"):  # the bases of ParallelExecutionError itself
-        error = (RuntimeError if kind == "runtime" else Exception)(123)
-        error.code = 7
-        error.add_note("mine")
-        raise error
-    error = CodedError("too many", 429)
-    error.add_note("retry later")
-    raise error
 
 
 def test_a_tasks_exception_comes_back_as_itself(executor):
@@ -455,11 +374,6 @@ def test_shutdown_without_waiting(fresh):
     with pytest.raises(RuntimeError):
         fresh.submit(square, 1)
     assert [f.result(timeout=60) for f in futures] == [0, 1, 2]  # what was submitted still runs
-
-
-def touch(path):
-    open(path, "w").close()
-    return path
 
 
 def test_map_runs_every_item_though_its_results_are_never_read(fresh, tmp_path):
@@ -872,15 +786,18 @@ def test_as_completed_while_the_engine_starts_a_queued_task(monkeypatch):
             assert got == [0, 1, 9], round_
 
 
-def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone():
+def test_ctrl_c_while_result_waits_leaves_the_executor_and_the_task_alone(tmp_path):
     # Ctrl-C reaches the main thread while it waits in the driver's poll, where nothing is half-read:
     # the task goes on, its result can still be had, and the workers are the same.
     with ParallelExecutor(device_ids=CPU2, pass_device=False) as ex:
         pids = ex.run(pid_of)
-        future = ex.submit(sleep_then, 2.0, 7)
+        go = tmp_path / "go"
+        # The task ends once the Ctrl-C was seen: on a loaded machine the timer may fire late, never after it.
+        future = ex.submit(value_once_there, str(go), 7)
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt):
             future.result()
+        go.touch()
         assert future.result() == 7
         assert ex.run(pid_of) == pids
 

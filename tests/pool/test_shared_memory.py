@@ -53,12 +53,15 @@ def _wait_for(condition, timeout: float, what: str):
 
 
 @pytest.fixture
-def tiny_shm(tmp_path):
-    """An 8 MiB tmpfs (Docker gives 64 MiB by default) and an empty directory for what does not fit."""
+def tiny_shm(tmp_path, tmp_path_factory):
+    """An 8 MiB tmpfs (Docker gives 64 MiB by default) and an empty directory for what does not fit.
+
+    The directory is the callers' ``TMPDIR``, where multiprocessing puts its forkserver's socket, whose
+    path must fit in 107 bytes: a test's own ``tmp_path`` can be too long for it (under pytest-xdist).
+    """
     mount = tmp_path / "shm"
-    spill = tmp_path / "spill"
+    spill = tmp_path_factory.mktemp("spill")
     mount.mkdir()
-    spill.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True,
                           text=True, timeout=30)
     if done.returncode != 0:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
 # Helper scripts that tests launch; pytest is told to ignore them (setup.cfg addopts).
 NOT_TESTS = {"scripts"}
 
 
+@pytest.mark.slow
 def test_the_readme_test_command_collects_every_test_file():
     on_disk = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")
                if not NOT_TESTS & set(p.relative_to(REPO / "tests").parts)}

@@ -36,6 +36,7 @@ def test_bad_compile_settings_are_refused_early(kwargs, message):
         make_handler(**kwargs)
 
 
+@pytest.mark.slow
 def test_a_compiled_model_given_without_compile_is_trained_plain_with_a_warning(caplog):
     model = make_model()
     with caplog.at_level(logging.WARNING):
@@ -54,6 +55,7 @@ def test_a_checkpoint_of_a_model_compiled_elsewhere_loads(tmp_path):
     assert weights(other.module) == weights(plain.module)
 
 
+@pytest.mark.slow
 def test_compiled_and_plain_handlers_train_alike_and_load_each_others_checkpoints(tmp_path):
     plain = _handler(checkpoint_dir=tmp_path / "plain")
     plain.train(1, progress=False)

@@ -333,6 +333,7 @@ def test_amp_fp16_on_cuda_uses_float16_with_a_grad_scaler(data):
     assert handler.predict(X).device.type == "cpu"
 
 
+@pytest.mark.slow
 def test_predict_data_parallel_matches_predict_in_order():
     from torch.utils.data import TensorDataset
 

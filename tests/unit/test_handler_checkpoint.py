@@ -145,6 +145,7 @@ handler.save_checkpoint(sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_killed_mid_write_leaves_the_old_one_loadable(tmp_path):
     path = tmp_path / "last.ckpt"
     old = _trained(epochs=1)

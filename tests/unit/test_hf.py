@@ -31,6 +31,7 @@ def _handler(model, **kwargs):
     return NNHandler(model, torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, device="cpu", **kwargs)
 
 
+@pytest.mark.slow
 def test_a_gpt2_lm_trains_on_its_own_loss_as_the_hand_written_loop():
     samples, val = H.lm_samples(24), H.lm_samples(10, seed=1)
     reference = H.gpt2()
@@ -46,6 +47,7 @@ def test_a_gpt2_lm_trains_on_its_own_loss_as_the_hand_written_loop():
     assert handler.evaluate(val)["loss"] == pytest.approx(expected["val_loss"][-1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_bert_classifier_with_metrics_equals_the_hand_written_loop_and_loss_fn_on_its_logits():
     samples, val = H.cls_samples(24), H.cls_samples(10, seed=1)
     reference = H.bert()
@@ -115,6 +117,7 @@ def test_under_amp_evaluate_and_predict_outputs_come_back_in_fp32(amp):
     assert out.logits.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_a_batch_encoding_and_nested_mappings_reach_the_model_as_keywords():
     from transformers import BatchEncoding
 
@@ -146,6 +149,7 @@ def test_a_batch_encoding_and_nested_mappings_reach_the_model_as_keywords():
     assert NNHandler(Nested(), device="cpu").evaluate([batch, batch])["loss"] > 0
 
 
+@pytest.mark.slow
 def test_max_steps_then_resume_auto_with_dict_batches_equals_an_uninterrupted_run(tmp_path):
     samples = H.lm_samples(20)
     straight = _handler(H.gpt2(), seed=0)
@@ -163,6 +167,7 @@ def test_max_steps_then_resume_auto_with_dict_batches_equals_an_uninterrupted_ru
     torch.testing.assert_close(_weights(resumed.module), _weights(straight.module), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_bf16_and_compile_train_dict_batches():
     samples = H.lm_samples(16)
     reference = H.gpt2()
@@ -182,6 +187,7 @@ def test_bf16_and_compile_train_dict_batches():
                                torch.tensor(plain.history["train_loss"]), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_predict_data_parallel_feeds_dict_batches_as_keywords_and_returns_the_same_output():
     model = H.gpt2().eval()
     samples = H.lm_samples(6)

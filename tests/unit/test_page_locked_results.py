@@ -71,6 +71,7 @@ def _round_trip(encoder, obj):
     return transport.loads(data), created
 
 
+@pytest.mark.slow
 def test_a_file_is_page_locked_once_and_written_again_by_later_results(worker):
     encoder, host = worker
     first = torch.arange(MiB, dtype=torch.float32)  # 4 MiB
@@ -144,6 +145,7 @@ def test_results_on_other_devices_take_the_usual_path(tmp_path, monkeypatch):
     lending.forget(encoder.prefix)
 
 
+@pytest.mark.slow
 def test_a_cpu_result_goes_into_a_spare_through_a_mapping_the_worker_keeps(tmp_path, monkeypatch):
     """Only device results are page-locked; a CPU result written into a file given back is copied into a
     mapping the worker keeps (not written with pwrite), and every value arrives, whatever the layout."""

@@ -443,6 +443,7 @@ def _ddp_body(rank):
             loader.batch_size, seen, grad, float(batch.sum()))
 
 
+@pytest.mark.slow
 def test_prepare_model_and_loader_on_two_gloo_ranks():
     results = run_distributed(_ddp_body, nprocs=2, timeout=120)
     for r in results:
