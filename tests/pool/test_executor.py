@@ -1017,10 +1017,14 @@ def test_script_fed_on_stdin_starts_its_workers(tmp_path):
     assert "MAP [2, 4, 6] 1048576.0" in result.stdout and "WHERE ['cpu', 'cpu']" in result.stdout, result.stdout
 
 
-def test_a_worker_is_told_the_main_module_to_import_and_the_callers_is_left_as_it_was(monkeypatch):
+def test_a_worker_is_told_the_main_module_to_import_and_the_callers_is_left_as_it_was(monkeypatch, tmp_path):
     from nn_handler.utils._workers import server
 
     main = sys.modules["__main__"]
+    script = tmp_path / "train.py"  # a script run as `python train.py` (pytest's own __main__ may be none)
+    script.write_text("")
+    monkeypatch.setattr(main, "__file__", str(script), raising=False)
+    monkeypatch.setattr(main, "__spec__", None)
     before = (getattr(main, "__file__", None), main.__spec__)
     module = server.inheritance(0, 0)[1]
     assert module and set(module) <= {"init_main_from_name", "init_main_from_path"}, module

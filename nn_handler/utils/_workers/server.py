@@ -222,7 +222,7 @@ def _ensure_server(server) -> None:
         resource_tracker.ensure_running()  # the stdlib's order: its descriptor is then the caller's
         cmd = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path[:] = %r; "
                "from multiprocessing.forkserver import main; main(%d, %d, %r)")
-        address = connection.arbitrary_address("AF_UNIX")
+        address = _socket_address(connection.arbitrary_address("AF_UNIX"))
         with socket.socket(socket.AF_UNIX) as listener:
             listener.bind(address)
             if not util.is_abstract_socket_namespace(address):
@@ -242,3 +242,29 @@ def _ensure_server(server) -> None:
             finally:
                 os.close(alive_r)
         server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+# A Unix socket's path holds at most 107 bytes (Linux; 103 on macOS).
+_MAX_SOCKET_PATH = 100
+
+
+def _socket_address(address: str) -> str:
+    """``address`` (in multiprocessing's temporary directory, under ``TMPDIR``), or, where that path is too long
+    for a Unix socket (a deep ``TMPDIR``, as batch systems set per job), one in a private directory under
+    ``/tmp``, removed at exit, as CPython 3.13's multiprocessing does.
+
+    Example:
+        >>> _socket_address("/tmp/pymp-x/listener-y")
+        '/tmp/pymp-x/listener-y'
+        >>> len(_socket_address("/" + "d" * 200 + "/listener-y")) < _MAX_SOCKET_PATH
+        True
+    """
+    if len(os.fsencode(address)) <= _MAX_SOCKET_PATH:
+        return address
+    import shutil
+    import tempfile
+    from multiprocessing import util
+
+    directory = tempfile.mkdtemp(prefix="nnh-", dir="/tmp")  # mode 0700: this user's alone
+    util.Finalize(None, shutil.rmtree, args=(directory,), kwargs={"ignore_errors": True}, exitpriority=-100)
+    return os.path.join(directory, "server")
