@@ -111,6 +111,8 @@ class TensorBoardLogger(Callback):
         # an earlier process may have logged past its last checkpoint.
         step = handler.global_step
         purge = step + 1 if step or self._written_step else None
+        if purge is not None:
+            _after_the_newest_file(self.log_dir)
         self._writer = self._summary_writer(os.fspath(self.log_dir), purge_step=purge)
         self._hparams_written = False
 
@@ -189,3 +191,21 @@ def _check_writable(log_dir: Path) -> None:
             f"TensorBoardLogger cannot write to log_dir {os.fspath(log_dir)!r}: {exc.strerror or exc} "
             f"({exc.filename or existing}); pass a directory this process can create files in"
         ) from exc
+
+
+def _after_the_newest_file(log_dir: Any) -> None:
+    """Wait, if need be, until a new event file's name sorts after every one already in ``log_dir``.
+
+    TensorBoard reads a run's files in name order, and a purge drops the later steps only of the files read
+    before it. A name starts with the second the file was made, then a per-process counter compared as text
+    (``...9`` after ``...10``): a file opened in the same second as the last may sort first, and the steps it
+    purges would come back. Waiting for the next second (only a writer reopened within a second waits) makes
+    the order that of the writes.
+    """
+    import glob
+    import time
+
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(os.fspath(log_dir), "events.out.tfevents.*"))]
+    seconds = [int(part) for part in (name.split(".")[3] for name in names) if part.isdigit()]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(int(time.time()) + 1 - time.time())

@@ -37,11 +37,16 @@ def test_an_fp16_handler_loading_a_bf16_checkpoint_starts_the_fresh_scaler_it_an
     assert fp16.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale() == 65536.0
 
 
-def test_a_logger_continued_after_load_checkpoint_draws_each_epoch_once(tmp_path):
+# 9: the process's 10th and 11th event files, named ...9 and ...10 within one second: by name the second sorts first.
+@pytest.mark.parametrize("files_before", [0, 9])
+def test_a_logger_continued_after_load_checkpoint_draws_each_epoch_once(tmp_path, monkeypatch, files_before):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
 
     from nn_handler.loggers import TensorBoardLogger
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(files_before))
 
     handler = _trained(2, callbacks=[TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1)])
     handler.save_checkpoint(tmp_path / "epoch2.ckpt")
