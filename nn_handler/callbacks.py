@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol, runtime_checkable
 
@@ -541,11 +542,9 @@ class EMA(Callback):
 
 
 def _is_sharded(module: Any) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2 cannot have sharded it
-        return False
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    # Where torch's FSDP was never imported, nothing was sharded (importing it here would cost half a second).
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules())
 
 
 def _refuse_sharded(module: Any) -> None:

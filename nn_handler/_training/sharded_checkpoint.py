@@ -30,17 +30,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
 
 from ..checkpoint import SHARDED_META, TMP_MARK, atomic_save, check_weights, fsync_dir, load_weights
 from ..errors import CheckpointError
 from ..utils._collectives import check_collective_allowed, run_on_ranks, side_group
 from . import sharding as SH
 from .parts import Parts
+
+
+def _dcp():
+    """torch.distributed.checkpoint with its state_dict helpers, imported at first use (it brings DTensor: see
+    :mod:`.sharding`)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (dcp.state_dict.get_state_dict, ...)
+
+    return dcp
 
 
 def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> None:
@@ -50,13 +55,13 @@ def write(parts: Parts, payload: dict[str, Any], path: str | os.PathLike) -> Non
                    broadcast=True)
     module, optimizers = _state_module(parts), list(parts.optimizers.values())
     if optimizers:
-        model_state, optimizer_state = get_state_dict(module, optimizers)
+        model_state, optimizer_state = _dcp().state_dict.get_state_dict(module, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
-        state = {"model": get_model_state_dict(module)}
+        state = {"model": _dcp().state_dict.get_model_state_dict(module)}
     try:
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
+            _dcp().save(state, checkpoint_id=tmp, no_dist=not parts.in_group)
     except BaseException:
         if parts.is_main_process:  # DCP raised on every rank: nothing writes into it any more
             shutil.rmtree(tmp, ignore_errors=True)
@@ -175,7 +180,7 @@ def check_complete(path: str | os.PathLike) -> None:
     path = Path(path)
     try:
         storage = _read_metadata(path).storage_data
-    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+    except (Exception, _dcp().api.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"the sharded checkpoint {path} has no readable DCP metadata (.metadata): "
                               f"{type(exc).__name__}: {exc}") from exc
     needed: dict[str, int] = {}
@@ -194,7 +199,7 @@ def check_complete(path: str | os.PathLike) -> None:
 
 
 def _read_metadata(path: Path):
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    return _dcp().FileSystemReader(str(path)).read_metadata()
 
 
 def _load_directory(parts: Parts, module: nn.Module, path: Path, with_optimizer: bool) -> None:
@@ -207,19 +212,20 @@ def _load_directory(parts: Parts, module: nn.Module, path: Path, with_optimizer:
     check_weights(module, shapes, source=str(path))
     optimizers = list(parts.optimizers.values())
     if with_optimizer:
-        model_state, optimizer_state = get_state_dict(module, optimizers)
+        model_state, optimizer_state = _dcp().state_dict.get_state_dict(module, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
-        state = {"model": get_model_state_dict(module)}
+        state = {"model": _dcp().state_dict.get_model_state_dict(module)}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not parts.in_group)
-    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            _dcp().load(state, checkpoint_id=str(path), no_dist=not parts.in_group)
+    except (Exception, _dcp().api.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"could not load the sharded checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     if with_optimizer:
-        set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        _dcp().state_dict.set_state_dict(module, optimizers, model_state_dict=state["model"],
+                                         optim_state_dict=state["optimizer"])
     else:
-        set_model_state_dict(module, state["model"])
+        _dcp().state_dict.set_model_state_dict(module, state["model"])
 
 
 def check_every_rank_runs(parts: Parts, what: str, sharded_only: bool = False) -> None:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import check_weights
@@ -27,6 +25,16 @@ from ..errors import ConfigurationError
 from .precision import Precision
 
 log = logging.getLogger(__name__)
+
+
+# torch.distributed.fsdp and torch.distributed.checkpoint bring DTensor with them: about half a second at import,
+# most of what importing NNHandler would cost. They are imported where a model is sharded or a sharded state is
+# read or written; until then no model can be an FSDPModule.
+def _fsdp_module_class() -> tuple[type, ...]:
+    """``(FSDPModule,)`` once torch's FSDP is loaded (by us or by the user), else ``()``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    found = getattr(fsdp, "FSDPModule", None)
+    return (found,) if found is not None else ()
 
 
 def wrap_targets(model: nn.Module, classes: tuple) -> list[nn.Module]:
@@ -81,6 +89,8 @@ def shard_model(model: nn.Module, device: torch.device, precision: Precision, cl
     Raises:
         ConfigurationError: The model is already sharded or DDP-wrapped.
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
     if isinstance(model, (FSDPModule, DistributedDataParallel)):
         raise ConfigurationError(f"the model is already wrapped ({type(model).__name__}); with strategy='fsdp' "
                                  f"pass the plain model: NNHandler applies fully_shard itself")
@@ -104,12 +114,12 @@ def shard_model(model: nn.Module, device: torch.device, precision: Precision, cl
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return isinstance(model, _fsdp_module_class())
 
 
 def can_pause_sync(model: nn.Module) -> bool:
     """True when the model can skip its gradient reduction on non-final micro-steps (DDP or FSDP2)."""
-    return isinstance(model, (DistributedDataParallel, FSDPModule))
+    return isinstance(model, (DistributedDataParallel, *_fsdp_module_class()))
 
 
 @contextlib.contextmanager
@@ -130,6 +140,8 @@ def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The consolidated ``state_dict`` on CPU: on rank 0 for a sharded model (empty elsewhere); call it on every rank."""
     if not is_sharded(module):
         return module.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -145,6 +157,9 @@ def load_full_state(module: nn.Module, weights: Mapping[str, Any], optimizers: l
     Raises:
         CheckpointMismatchError: The keys or shapes do not fit the model (named).
     """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
     check_weights(module, weights, source=source)  # a DTensor's shape is the full one
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(module, dict(weights), options=options)

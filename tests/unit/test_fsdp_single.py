@@ -161,7 +161,7 @@ def test_an_unfinished_directory_is_not_a_checkpoint(tmp_path):
 
 
 def test_a_failed_sharded_write_leaves_the_previous_checkpoint_and_no_temp_dir(tmp_path, monkeypatch):
-    import nn_handler._training.sharded_checkpoint as sharded
+    import torch.distributed.checkpoint as dcp
 
     handler = make_handler(strategy="fsdp")
     path = tmp_path / "c.ckpt"
@@ -171,7 +171,7 @@ def test_a_failed_sharded_write_leaves_the_previous_checkpoint_and_no_temp_dir(t
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sharded.dcp, "save", disk_full)
+    monkeypatch.setattr(dcp, "save", disk_full)
     with pytest.raises(OSError, match="No space left"):
         handler.save_checkpoint(path)
     assert sorted(os.listdir(tmp_path)) == ["c.ckpt"] and sorted(os.listdir(path)) == before

@@ -313,6 +313,28 @@ def test_a_worker_child_loads_no_trainer_callbacks_or_model_helpers(tmp_path):
     assert set(loaded) <= WORKER_CHILD, f"a worker child also loaded {sorted(set(loaded) - WORKER_CHILD)}"
 
 
+_IMPORTS_THE_TRAINER = """
+import json, sys
+import torch
+from nn_handler import NNHandler, StepContext
+from nn_handler.callbacks import EMA, ModelCheckpoint
+heavy = ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
+print("LOADED", json.dumps(sorted(m for m in sys.modules if m.startswith(heavy))))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_trainer_loads_neither_fsdp_nor_dcp(tmp_path):
+    # They bring DTensor with them: half a second at import (import nn_handler.handler took 0.6 s, now 0.1 s).
+    # Sharding and sharded checkpoints import them where they are used. (torch.optim imports torch._dynamo, and
+    # with it FSDP, when the first optimizer is made: a training script pays it there, as without nn_handler.)
+    script = tmp_path / "imports.py"
+    script.write_text(_IMPORTS_THE_TRAINER)
+    out = run_command([sys.executable, str(script)], timeout=110, env={"PYTHONPATH": str(REPO)}).stdout
+    [line] = [line for line in out.splitlines() if line.startswith("LOADED ")]
+    assert json.loads(line[len("LOADED "):]) == []
+
+
 # ----------------------------------------------------------------------------- the public names stay
 # Each public module's __all__ as of issue 15 (plus the seed's aliases), written out so that none can vanish.
 PUBLIC_NAMES = {
