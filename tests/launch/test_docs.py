@@ -148,7 +148,7 @@ signal.signal(signal.SIGALRM, on_alarm)
 for i, block in enumerate(blocks):
     print(f"\n{MARKER} {i} start@@", flush=True)
     ok = True
-    workdir = tempfile.mkdtemp(prefix=f"docblock{i}-")
+    workdir = tempfile.mkdtemp(prefix=f"docblock{i}-", dir=home)  # under the test's tmp_path: pytest removes it
     os.chdir(workdir)
     signal.alarm(timeout)
     try:

@@ -933,12 +933,15 @@ def test_parallel_predict_draws_its_progress_on_a_terminal(monkeypatch):
     assert "item/s" in stream.getvalue()
 
 
-def test_many_cancelled_tasks_are_skipped():
+def test_many_cancelled_tasks_are_skipped(tmp_path):
+    gate = tmp_path / "gate"
     with ParallelExecutor(device_ids=["cpu"], pass_device=False) as ex:
-        blocker = ex.submit(sleep_then, 1.0, "blocker")
+        # The one worker stays busy until every future was cancelled (a fixed sleep ran out under load).
+        blocker = ex.submit(wait_for_file, str(gate), "blocker")
         cancelled = [ex.submit(square, i) for i in range(3000)]
         last = ex.submit(square, 12)
         assert all(f.cancel() for f in cancelled)
+        gate.touch()
         assert blocker.result(timeout=60) == "blocker" and last.result(timeout=60) == 144
 
 
