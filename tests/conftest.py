@@ -166,6 +166,10 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.path)
         if path.is_relative_to(REPO / "tests") and path.relative_to(REPO / "tests").parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+    # The modules with slow tests first, the quick ones after: pytest-xdist hands tests out in this order, so
+    # the quick ones fill the workers' last minutes instead of a long test running alone at the end.
+    with_slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in with_slow)  # stable: each module's order stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -510,11 +510,13 @@ def test_map_buffersize_bounds_the_chunks_in_flight(ours):
         ours.map(square, [1], buffersize=0)
 
 
-def test_map_first_result_before_the_last_item_is_done(ours):
-    results = ours.map(sleep_then, [0.0, 0.0, 0.0, 30.0], [1, 2, 3, 4], timeout=60)
+def test_map_first_result_before_the_last_item_is_done(ours, tmp_path):
+    gate = tmp_path / "gate"  # the last item runs until the test opens it (20 s at most)
+    results = ours.map(wait_for_file, [str(tmp_path)] * 3 + [str(gate)], [1, 2, 3, 4], timeout=60)
     begin = time.monotonic()
     assert next(results) == 1
-    assert time.monotonic() - begin < 25  # did not wait for the 30 s item
+    assert time.monotonic() - begin < 15  # did not wait for the last item
+    gate.touch()  # it ends now: the next test's run() does not wait for it (it waited out a 30 s sleep)
     results.close()
 
 
