@@ -146,31 +146,6 @@ def assign_xdist_groups(items) -> None:
         item.add_marker(pytest.mark.xdist_group(find(key)))
 
 
-# Tests that mostly wait (a stall deadline, a slow rank's sleep): run side by side they left both cores idle.
-WAITING_MODULES = {"test_stall.py", "test_stall_launch.py"}
-
-
-def order_for_two_cores(items) -> None:
-    """Order the tests as pytest-xdist should hand them out on a small machine (it hands them out in order).
-
-    The modules with slow tests come first and the quick ones last, so that
-    these fill the workers' last minutes instead of a long test running alone
-    at the end; the tests that mostly wait are spread evenly among the slow
-    ones, so that their waits overlap tests that compute. Each module's order
-    stays; a module sharing a fixture or a group stays in one piece.
-    """
-    with_slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in with_slow)  # stable
-    waiting = [item for item in items if Path(item.path).name in WAITING_MODULES
-               and not item.get_closest_marker("xdist_group")]
-    rest = [item for item in items if all(item is not w for w in waiting)]
-    slow = [item for item in rest if item.path in with_slow]
-    spacing = len(slow) / (len(waiting) + 1)
-    placed = [(i, item) for i, item in enumerate(slow)] + [((k + 1) * spacing - 0.5, item)
-                                                           for k, item in enumerate(waiting)]
-    items[:] = [item for _, item in sorted(placed, key=lambda pair: pair[0])] + rest[len(slow):]
-
-
 def pytest_configure(config):
     """Compile the package, the tests and the examples to bytecode once, before any test process starts.
 
@@ -191,7 +166,10 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.path)
         if path.is_relative_to(REPO / "tests") and path.relative_to(REPO / "tests").parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
-    order_for_two_cores(items)
+    # The modules with slow tests first, the quick ones after: pytest-xdist hands tests out in this order, so
+    # the quick ones fill the workers' last minutes instead of a long test running alone at the end.
+    with_slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in with_slow)  # stable: each module's order stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
