@@ -183,11 +183,13 @@ _KILLED_JOB = textwrap.dedent("""
 
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("case", ["submit", "run"])
-def test_a_job_killed_whole_leaves_no_file(tmp_path, case):
+def test_a_job_killed_whole_leaves_no_file(tmp_path, tmp_path_factory, case):
     # SIGKILL to the whole process group (`timeout -s KILL`, a cgroup OOM kill, a batch system's hard kill)
     # while a call is in flight: caller, server and workers die at once, and nobody is left to clean up.
-    shm, spill, markers = tmp_path / "shm", tmp_path / "spill", tmp_path / "markers"
-    for d in (shm, spill, markers):
+    # The spill directory is the job's TMPDIR: short, so that the forkserver's socket goes there (under a
+    # deep tmp_path it would go to a private directory in /tmp, which a killed job cannot remove).
+    shm, spill, markers = tmp_path / "shm", tmp_path_factory.mktemp("spill"), tmp_path / "markers"
+    for d in (shm, markers):
         d.mkdir()
     script = tmp_path / "job.py"
     script.write_text(_KILLED_JOB)
