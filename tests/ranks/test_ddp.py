@@ -222,6 +222,9 @@ def test_initialize_ddp_under_spawned_ranks():
 
 def test_helper_reports_exceptions_per_rank():
     def body(rank):
+        # Both ranks connected first: a rank 0 that returned at once could end the group while rank 1 was still
+        # connecting under load (its result was then gloo's "Connection closed by peer").
+        torch.distributed.barrier()
         if rank == 1:
             raise ValueError("boom on one")
         return "fine"
@@ -230,7 +233,7 @@ def test_helper_reports_exceptions_per_rank():
     assert results[0] == "fine"
     assert isinstance(results[1], ValueError) and "boom on one" in str(results[1])
     # The body travels by value: the traceback still names this file, its line and its text.
-    line = body.__code__.co_firstlineno + 2
+    line = body.__code__.co_firstlineno + 5
     assert f'File "{__file__}", line {line}, in body\n    raise ValueError' in results[1].remote_traceback
 
 
