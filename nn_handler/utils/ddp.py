@@ -252,13 +252,26 @@ def _rendezvous_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"nn_handler/attempt{env.restart_count}", store)
 
 
+def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Return once every rank's process group is up.
+
+    gloo's set-up can return on one rank while a peer is still finishing its
+    handshake: a rank that then ran a short function and tore its group down
+    cut that peer off ("Connection closed by peer"). Done on the store, not
+    with a collective, so that an NCCL group creates no communicator here.
+    """
+    store.set(f"group_up/{rank}", "1")
+    store.wait([f"group_up/{other}" for other in range(world_size)], timeout)
+
+
 def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None = None, *,
                    stall_timeout: float | None | str = "env"):
     """Set up the default process group from the launch environment, if there is one.
 
     Reads torchrun, SLURM (``srun``), Open MPI (``mpirun``) and PMI/MPICH
     variables. Picks ``nccl`` for CUDA devices and ``gloo`` otherwise, and
-    pins this process to the GPU of its local rank.
+    pins this process to the GPU of its local rank. No rank returns before
+    every rank's group is up.
 
     Args:
         timeout: Collective timeout (``timedelta`` or seconds); 60 minutes by default.
@@ -307,6 +320,7 @@ def initialize_ddp(timeout: timedelta | float | None = None, backend: str | None
             raise LaunchEnvironmentError(missing_rendezvous_message(env))
         store = _rendezvous_store(env, timeout)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        _wait_for_every_rank(store, env.rank, env.world_size, timeout)
         if stall_timeout is not None:
             _stall.start(_stall.client_store(env.master_addr, env.master_port,
                                              f"nn_handler/attempt{env.restart_count}/stall", timeout),

@@ -220,6 +220,39 @@ def test_initialize_ddp_under_spawned_ranks():
         assert backend == "gloo"
 
 
+def _init_with_rank_1_slow_to_finish_its_group(rank):
+    import time
+
+    import torch.distributed as dist
+
+    from nn_handler.utils import ddp
+
+    if rank == 1:
+        real_init = dist.init_process_group
+
+        def slow_init(*args, **kwargs):
+            # Rank 1 still finishing its group (gloo's handshake, a loaded machine) after rank 0's is up.
+            real_init(*args, **kwargs)
+            time.sleep(2)
+            slow_init.finished = time.time()
+
+        dist.init_process_group = slow_init
+    ddp.initialize_ddp(timeout=20)
+    returned = time.time()
+    return returned, getattr(dist.init_process_group, "finished", None)
+
+
+def test_no_rank_leaves_initialize_ddp_before_every_rank_has_its_group():
+    # A rank that returned at once, ran a short function and tore its group down cut off a peer still
+    # connecting: that peer failed with gloo's "Connection closed by peer" (seen in NNHandler.launch).
+    results = run_distributed(_init_with_rank_1_slow_to_finish_its_group, nprocs=2, init=False, timeout=90)
+    assert not any(isinstance(result, BaseException) for result in results), results
+    (returned_0, _), (returned_1, finished_1) = results
+    assert finished_1 is not None
+    assert returned_0 >= finished_1, f"rank 0 left initialize_ddp {finished_1 - returned_0:.2f} s before rank 1 was up"
+    assert returned_1 >= finished_1
+
+
 def test_helper_reports_exceptions_per_rank():
     def body(rank):
         # Both ranks connected first: a rank 0 that returned at once could end the group while rank 1 was still
