@@ -4,6 +4,7 @@ no launcher variables and no child process behind."""
 from __future__ import annotations
 
 import compileall
+import importlib.util
 import inspect
 import json
 import os
@@ -11,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 from helpers import LAUNCH_VARS, REPO
 
 import pytest
-import torch
 
 _LAUNCH_VARS = LAUNCH_VARS
 
@@ -155,8 +156,24 @@ def pytest_configure(config):
     0.3 s of CPU a process. Bytecode is still read where the variable is set.
     """
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller: its workers start after this
+        _compile_site_packages_if_pip_did_not()
         for folder in ("nn_handler", "tests", "examples"):
             compileall.compile_dir(REPO / folder, quiet=1)
+
+
+def _compile_site_packages_if_pip_did_not() -> None:
+    """After ``pip install --no-compile`` (the README's test command), compile the environment's packages on
+    every core at once: pip compiles them one file after another, about 45 s of a 2-core machine's install.
+
+    Checked by torch's own bytecode; a separate process, so that compileall's process pool starts no
+    multiprocessing server in this one (the executor's workers come from a server of their own making).
+    """
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    if spec is None or spec.origin is None or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return
+    # Exit status ignored: a file or two of the packages' own is not valid Python 3.11 (pip skips those too).
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", sysconfig.get_paths()["purelib"]],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -170,6 +187,8 @@ def pytest_collection_modifyitems(config, items):
     # the quick ones fill the workers' last minutes instead of a long test running alone at the end.
     with_slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in with_slow)  # stable: each module's order stays
+    import torch  # here, not at the top: the controller compiles the packages before anything imports them
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
