@@ -176,6 +176,27 @@ def _compile_site_packages_if_pip_did_not() -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+# Modules whose tests mostly wait (a stall timeout running out, a rank asleep on purpose): a few CPU seconds in
+# a minute of waiting.
+MOSTLY_WAITING = {REPO / "tests" / "ranks" / "test_stall.py"}
+
+
+def spread_waiting_tests(items: list, head: int) -> list:
+    """``items`` with the tests of MOSTLY_WAITING spread evenly over the first ``head`` (the slow tests).
+
+    Run one after another, they came to the workers together: for half a minute every worker waited and the
+    2-core machine was half idle. Spread out, one worker waits while the others keep the cores busy.
+    """
+    waiting = [item for item in items[:head] if Path(item.path) in MOSTLY_WAITING]
+    if not waiting:
+        return items
+    spread = [item for item in items[:head] if Path(item.path) not in MOSTLY_WAITING]
+    gaps = len(spread)
+    for k in reversed(range(len(waiting))):  # from the back, so that the places before stay where they were
+        spread.insert((2 * k + 1) * gaps // (2 * len(waiting)), waiting[k])
+    return spread + items[head:]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     assign_xdist_groups(items)
@@ -187,6 +208,7 @@ def pytest_collection_modifyitems(config, items):
     # the quick ones fill the workers' last minutes instead of a long test running alone at the end.
     with_slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in with_slow)  # stable: each module's order stays
+    items[:] = spread_waiting_tests(items, len([item for item in items if item.path in with_slow]))
     import torch  # here, not at the top: the controller compiles the packages before anything imports them
 
     if torch.cuda.is_available():
