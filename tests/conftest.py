@@ -22,6 +22,12 @@ import pytest
 
 _LAUNCH_VARS = LAUNCH_VARS
 
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup in a script) inherits Ctrl-C
+# ignored, and so would every process a test starts (an ignored signal stays ignored across exec): the tests that
+# send Ctrl-C to a caller would wait on one that never sees it. Python's own handler, as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def _is_mp_infrastructure(pid: str) -> bool:
     # multiprocessing starts one resource tracker and one forkserver per parent
