@@ -595,26 +595,30 @@ class NNHandler:
         :class:`~nn_handler.ParallelExecutor`, joins them into one process
         group, and runs ``fn`` in each; an ``NNHandler`` built inside ``fn``
         trains distributed. ``fn`` travels with cloudpickle, so functions
-        defined in a notebook work. The processes end with the call.
+        defined in a notebook work. The processes end with the call. Under
+        a launch that already started every rank (torchrun, srun, mpirun, a
+        group of several ranks already up), nothing is started: ``fn`` runs
+        once, here, as this rank, so one script runs under them all.
 
         Args:
             fn: The function to run on every rank.
             *args: Its positional arguments.
             nprocs: Number of processes.
             timeout: Seconds before the call is abandoned and its processes
-                killed (``TimeoutError``); no limit by default.
+                killed (``TimeoutError``); no limit by default (nor under an existing launch).
             stall_timeout: The ranks' stall watchdog, as on ``NNHandler``; a number wins over the variable.
             **kwargs: Its keyword arguments.
 
         Returns:
-            What ``fn`` returned on rank 0.
+            What ``fn`` returned on rank 0; under an existing launch, on this rank.
 
         Raises:
             ParallelExecutionError: ``fn`` raised on a rank (the failing ranks
                 tear the group down, so the others fail fast instead of waiting
                 in a collective; every rank's traceback is in the message).
             WorkerDiedError: A process died.
-            ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
+            ValueError: ``nprocs`` missing without GPUs, or more than the GPUs, or
+                other than an existing launch's world size.
 
         Example:
             >>> def body():

@@ -26,12 +26,18 @@ each, a rank's death, error or deadline is its own, and this module alone
 decides when the others stop. The pools still own every process: start, death
 seen on the sentinel, the shared-memory transport, the kill.
 
+Under a launch that already started every rank (torchrun, srun, mpirun, or a
+process group of several ranks already up), :func:`launch` starts nothing: it
+runs ``fn`` once here, on this rank (:func:`_run_in_existing_launch`), so one
+script runs unchanged under ``python`` and under each launcher.
+
 Private: NNHandler.launch and nn_handler.testing.run_distributed are the public faces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import queue
@@ -42,6 +48,7 @@ from typing import Any, Callable
 from ..._checks import check_int, check_number
 from ...errors import (
     CollectiveStallError,
+    ConfigurationError,
     DistributedTimeoutError,
     ExecutorTimeoutError,
     ParallelExecutionError,
@@ -57,6 +64,8 @@ from .executor import ParallelExecutor, _check_picklable, _name, _pickle_call, _
 from .worker import threads_wanted
 
 __all__ = ["launch", "run_ranks"]
+
+log = logging.getLogger(__name__)
 
 # Seconds the launcher still listens after a rank's failure, for a peer's death that caused it.
 _DEATH_GRACE = 1.0
@@ -80,6 +89,12 @@ def _rank_body(payload: bytes, rank: int, setup: _Setup) -> Any:
     """One rank, in its worker: the launch variables, the group, ``fn``, and leaving the group."""
     import torch
 
+    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+        # A caller that torchrun started alone (--nproc_per_node=1) passes its
+        # agent's variables on. With TORCHELASTIC_USE_AGENT_STORE every rank of
+        # this group would join the store as a client, none would host it, and
+        # all would wait for it until the group's timeout.
+        del os.environ[name]
     os.environ.update(setup.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(setup.nprocs),
                       LOCAL_WORLD_SIZE=str(setup.nprocs))
     torch.set_num_threads(threads_wanted(setup.threads))
@@ -274,7 +289,13 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
 
     What :meth:`NNHandler.launch` runs: one rank per GPU (NCCL) by default,
     ``nprocs`` CPU ranks (gloo) without GPUs. The first rank to fail ends the
-    call: its error is raised and the other ranks are killed.
+    call: its error is raised and the other ranks are killed. An ``@on_rank``
+    function's failure is reported from the rank that raised it, not from a
+    peer's ``RankFailedError`` relaying it.
+
+    Under a launch that already started several ranks, ``fn`` runs here
+    instead, once, and this rank's result is returned
+    (:func:`_run_in_existing_launch`).
 
     Raises:
         ParallelExecutionError: ``fn`` raised on a rank (the first one, named).
@@ -282,12 +303,13 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
             ``initialize_ddp``'s ``stall_timeout``).
         WorkerDiedError: A rank's process died (the errors its death caused in its peers, if they
             came within a second, are in ``failures`` too).
-
-    An ``@on_rank`` function's failure is reported from the rank that raised
-    it, not from a peer's ``RankFailedError`` relaying it.
         ExecutorTimeoutError: The call ran past ``timeout`` (a ``TimeoutError``).
-        ValueError: ``nprocs`` missing without GPUs, or more than the GPUs.
+        ValueError: ``nprocs`` missing without GPUs, or more than the GPUs; under an existing launch,
+            ``nprocs`` other than its world size (a ``ConfigurationError``).
     """
+    existing = _existing_launch()
+    if existing is not None:
+        return _run_in_existing_launch(fn, args, kwargs, nprocs, timeout, stall_timeout, *existing)
     gpus = cuda_count()
     if nprocs is None:
         if gpus == 0:
@@ -319,6 +341,54 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
                                                                              f"timeout; killed")
                                     for rank in unfinished], function=name)
     return outcomes[0].value
+
+
+def _existing_launch() -> tuple[str, int, int, bool] | None:
+    """``(who started the ranks, rank, world size, whether the group is up)`` when several ranks already run.
+
+    A process group of several ranks already up, or a launcher's variables
+    for several processes (torchrun, srun, mpirun). A launcher's single process
+    (``srun -n1`` in a job of four GPUs) is not one: ``launch`` starts its ranks.
+    """
+    import torch.distributed as dist
+
+    from ..ddp import detect_launch_env
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return "a process group already up", dist.get_rank(), dist.get_world_size(), True
+    env = detect_launch_env()  # wrong launch variables raise here, naming the variable
+    if env.is_distributed:
+        return env.launcher, env.rank, env.world_size, False
+    return None
+
+
+def _run_in_existing_launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None,
+                            timeout: float | None, stall_timeout: float | None | str, launcher: str, rank: int,
+                            world_size: int, group_up: bool) -> Any:
+    """``fn(*args, **kwargs)`` once, here, as this rank of the launch that started it; its own result.
+
+    The launcher started every rank and each runs the script: starting
+    ``nprocs`` more from each would make a group per rank, and under torchrun
+    those ranks hang (they inherit ``TORCHELASTIC_USE_AGENT_STORE`` and wait,
+    all as clients, for a store nobody hosts). The launcher owns the processes:
+    ``timeout`` is not applied here, and ``fn``'s exception propagates as it is.
+    """
+    check_number("timeout", timeout, unit="seconds", allow_none=True)
+    if nprocs is not None and check_int("nprocs", nprocs, minimum=1) != world_size:
+        raise ConfigurationError(
+            f"NNHandler.launch(fn, nprocs={nprocs}): this process is rank {rank} of {world_size} that {launcher} "
+            f"started, and every rank runs fn in its own process; pass nprocs={world_size} or leave it out, "
+            f"or start {nprocs} processes with the launcher")
+    log.info("NNHandler.launch: %s started %d ranks; running %s here, as rank %d%s", launcher, world_size,
+             _name(fn), rank, "" if timeout is None else f" (timeout={timeout:g}s is the launcher's to enforce)")
+    if group_up:
+        return fn(*args, **kwargs)  # the group is the caller's: it stays up
+    from ..ddp import cleanup_ddp, initialize_ddp
+
+    initialize_ddp(stall_timeout=stall_timeout)
+    result = fn(*args, **kwargs)
+    cleanup_ddp()  # as the ranks launch starts leave the group it joined them to (only on success: see _rank_body)
+    return result
 
 
 def _as_result(rank: int, outcome: _Outcome) -> Any:
