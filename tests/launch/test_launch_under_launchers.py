@@ -28,7 +28,10 @@ def _check_ran_in_the_launchers_processes(result, launcher):
         assert row["world_size"] == 2 and row["sum"] == 3.0 and row["tag"] == "from the script"
         assert row["group_left"]  # launch joined the launcher's group for fn, and left it
     lines = [line for line in result.stdout.splitlines() if "NNHandler.launch:" in line]
-    assert len(lines) == 2 and all(f"{launcher} started 2 ranks; running body here" in line for line in lines), lines
+    assert len(lines) == 2, result.stdout[-3000:]
+    for rank in (0, 1):  # one line per rank, saying what happened
+        assert sum(f"running body here, as rank {rank} of 2 started by {launcher} (timeout=60s is the launcher's "
+                   "to enforce)" in line for line in lines) == 1, lines
 
 
 def test_under_torchrun_each_rank_runs_fn_once_in_its_own_process():
@@ -69,8 +72,8 @@ def test_a_group_already_up_runs_fn_here_and_refuses_another_nprocs():
     for rank, (ran, pid, still_up, wrong) in enumerate(results):
         assert ran == (rank, pid, "here")  # this rank's own result, from this process
         assert still_up  # the group is the caller's: launch leaves it up
-        assert wrong.startswith(f"NNHandler.launch(fn, nprocs=3): this process is rank {rank} of 2 that a process "
-                                "group already up started"), wrong
+        assert wrong.startswith(f"NNHandler.launch(fn, nprocs=3): this process is rank {rank} of 2 in a process "
+                                "group already up"), wrong
         assert "pass nprocs=2 or leave it out" in wrong
 
 

@@ -12,7 +12,7 @@ def _never(*_):
     raise AssertionError("fn ran")
 
 
-@pytest.mark.parametrize("nprocs, bad", [(3, "this process is rank 1 of 2 that torchrun started"),
+@pytest.mark.parametrize("nprocs, bad", [(3, "this process is rank 1 of 2 started by torchrun"),
                                          (0, "nprocs must be an int >= 1, got 0")])
 def test_under_torchrun_nprocs_other_than_the_world_size_is_refused_before_fn_runs(monkeypatch, nprocs, bad):
     for name, value in TORCHRUN_RANK_1.items():

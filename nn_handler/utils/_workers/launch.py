@@ -344,7 +344,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, nprocs: int | None
 
 
 def _existing_launch() -> tuple[str, int, int, bool] | None:
-    """``(who started the ranks, rank, world size, whether the group is up)`` when several ranks already run.
+    """``(where the ranks come from, rank, world size, whether the group is up)`` when several ranks already run.
 
     A process group of several ranks already up, or a launcher's variables
     for several processes (torchrun, srun, mpirun). A launcher's single process
@@ -355,10 +355,10 @@ def _existing_launch() -> tuple[str, int, int, bool] | None:
     from ..ddp import detect_launch_env
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return "a process group already up", dist.get_rank(), dist.get_world_size(), True
+        return "in a process group already up", dist.get_rank(), dist.get_world_size(), True
     env = detect_launch_env()  # wrong launch variables raise here, naming the variable
     if env.is_distributed:
-        return env.launcher, env.rank, env.world_size, False
+        return f"started by {env.launcher}", env.rank, env.world_size, False
     return None
 
 
@@ -376,11 +376,11 @@ def _run_in_existing_launch(fn: Callable[..., Any], args: tuple, kwargs: dict, n
     check_number("timeout", timeout, unit="seconds", allow_none=True)
     if nprocs is not None and check_int("nprocs", nprocs, minimum=1) != world_size:
         raise ConfigurationError(
-            f"NNHandler.launch(fn, nprocs={nprocs}): this process is rank {rank} of {world_size} that {launcher} "
-            f"started, and every rank runs fn in its own process; pass nprocs={world_size} or leave it out, "
+            f"NNHandler.launch(fn, nprocs={nprocs}): this process is rank {rank} of {world_size} {launcher}, "
+            f"and every rank runs fn in its own process; pass nprocs={world_size} or leave it out, "
             f"or start {nprocs} processes with the launcher")
-    log.info("NNHandler.launch: %s started %d ranks; running %s here, as rank %d%s", launcher, world_size,
-             _name(fn), rank, "" if timeout is None else f" (timeout={timeout:g}s is the launcher's to enforce)")
+    log.info("NNHandler.launch: running %s here, as rank %d of %d %s%s", _name(fn), rank, world_size, launcher,
+             "" if timeout is None else f" (timeout={timeout:g}s is the launcher's to enforce)")
     if group_up:
         return fn(*args, **kwargs)  # the group is the caller's: it stays up
     from ..ddp import cleanup_ddp, initialize_ddp
