@@ -1,8 +1,8 @@
 """A GAN with its own training step: two models, two optimizers, one NNHandler.
 
-    python examples/gan.py                    # one process
-    python examples/gan.py --nprocs 2         # DDP: NNHandler.launch starts 2 processes (gloo on CPU)
-    torchrun --nproc_per_node=2 examples/gan.py
+    python examples/gan.py                    # DDP: NNHandler.launch starts 2 processes (gloo on CPU)
+    torchrun --nproc_per_node=2 examples/gan.py   # the same script: launch runs train in each of torchrun's ranks
+    python examples/gan.py --nprocs 1         # one process
 
 The generator learns to draw points on a ring from 2-d noise; the data is
 synthetic (no download). The step is PyTorch's DCGAN recipe: the
@@ -20,8 +20,7 @@ import time
 import torch
 from torch import nn
 
-from nn_handler import NNHandler, cleanup_ddp
-from nn_handler.utils.ddp import detect_launch_env
+from nn_handler import NNHandler
 
 NOISE = 2
 bce = nn.BCEWithLogitsLoss()
@@ -73,25 +72,21 @@ def main():
     parser = argparse.ArgumentParser(description="a GAN with its own training step")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--nprocs", type=int, default=1, help="processes to start when not under torchrun")
+    parser.add_argument("--nprocs", type=int, default=2, help="processes (under torchrun/srun/mpirun: as many "
+                                                                "as it started)")
     parser.add_argument("--out", default="", help="a directory for gan.pt (the exported models)")
     args = parser.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    if detect_launch_env().launcher != "none":  # torchrun/srun/mpirun started every rank
-        result, how = train(args.epochs, args.samples, args.out), detect_launch_env().launcher
-        cleanup_ddp()
-    elif args.nprocs > 1:
-        result, how = NNHandler.launch(train, args.epochs, args.samples, args.out, nprocs=args.nprocs), "launch"
-    else:
-        result, how = train(args.epochs, args.samples, args.out), "one process"
-    if result["rank"] != 0:
+    # Starts the processes; under torchrun/srun/mpirun, which started them, runs train in this one.
+    result = NNHandler.launch(train, args.epochs, args.samples, args.out, nprocs=args.nprocs)
+    if result["rank"] != 0:  # each rank gets its own result under a launcher
         return
     for epoch, (d, g) in enumerate(zip(result["d"], result["g"]), start=1):
         print(f"epoch {epoch}: loss_d={d:.4f} loss_g={g:.4f}")
     mean, std = result["radius"]
-    print(f"{how}: {result['world_size']} rank(s), {len(result['d'])} epochs in {time.perf_counter() - start:.1f} s; "
+    print(f"{result['world_size']} rank(s), {len(result['d'])} epochs in {time.perf_counter() - start:.1f} s; "
           f"generated points lie at radius {mean:.2f} +- {std:.2f} (the ring's is 2)")
 
 

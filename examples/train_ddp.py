@@ -1,13 +1,14 @@
 """DDP training with NNHandler: the same function under torchrun, or started from plain python.
 
     python examples/train_ddp.py --out runs/demo                              # NNHandler.launch: 2 processes
-    torchrun --nproc_per_node=2 examples/train_ddp.py --out runs/demo         # torchrun starts them
+    torchrun --nproc_per_node=2 examples/train_ddp.py --out runs/demo         # torchrun starts them, launch trains
     python examples/train_ddp.py --nprocs 1 --out runs/demo                   # a single process
 
 A small regression model on synthetic data; validation, a metric, early
 stopping, a checkpoint every epoch, a CSV log and, at the end, a loss-curve
 PNG from ``plot_history`` when matplotlib is installed (``pip install
-'nn_handler[plot]'``; without it the PNG is skipped, with one line saying so).
+'nn_handler[plot]'``; without it the PNG is skipped, with one line saying so
+before training starts).
 The History is the same on every rank (losses are averaged over all ranks,
 weighted by sample count), and a run under torchrun gives the same numbers as
 one started with ``NNHandler.launch``.
@@ -21,8 +22,7 @@ import time
 import torch
 from torch import nn
 
-from nn_handler import CSVLogger, EarlyStopping, ModelCheckpoint, NNHandler, cleanup_ddp
-from nn_handler.utils.ddp import detect_launch_env
+from nn_handler import CSVLogger, EarlyStopping, ModelCheckpoint, NNHandler, get_rank
 
 
 def make_data(n, seed):
@@ -59,31 +59,24 @@ def main():
     parser.add_argument("--out", default="runs/train_ddp")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--nprocs", type=int, default=2, help="processes to start when not under torchrun")
+    parser.add_argument("--nprocs", type=int, default=2, help="processes (under torchrun/srun/mpirun: as many "
+                                                                "as it started)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     plot = not args.no_plot
     if plot and importlib.util.find_spec("matplotlib") is None:
         plot = False
-        if detect_launch_env().rank == 0:  # one line, not one per rank
+        if get_rank() == 0:  # one line, not one per rank (under torchrun, each rank runs this)
             print("no loss_curve.png: matplotlib is not installed (pip install 'nn_handler[plot]')")
 
     start = time.perf_counter()
-    if detect_launch_env().launcher != "none":  # torchrun/srun/mpirun started every rank: train here
-        result = train(args.out, args.epochs, args.samples, plot)
-        how = detect_launch_env().launcher
-        cleanup_ddp()  # leave the launcher's process group the handler joined
-    elif args.nprocs > 1:  # start a local group of nprocs processes and train in each
-        result = NNHandler.launch(train, args.out, args.epochs, args.samples, plot,
-                                  nprocs=args.nprocs)
-        how = "NNHandler.launch"
-    else:
-        result = train(args.out, args.epochs, args.samples, plot)
-        how = "one process"
+    # Starts nprocs processes and trains in each; under torchrun/srun/mpirun, which
+    # started them, trains in this one (and returns this rank's result).
+    result = NNHandler.launch(train, args.out, args.epochs, args.samples, plot, nprocs=args.nprocs)
     if result["rank"] == 0:
         losses = ", ".join(f"{v:.4f}" for v in result["val_loss"])
-        print(f"{how}: {result['world_size']} rank(s) on {result['device']}, "
+        print(f"{result['world_size']} rank(s) on {result['device']}, "
               f"{len(result['train_loss'])} epochs in {time.perf_counter() - start:.1f} s")
         print(f"val_loss per epoch: {losses}")
         print(f"wrote {sorted(os.listdir(args.out))} to {args.out}")
