@@ -19,6 +19,7 @@ from ..._tree import detach_cpu
 from ...errors import DeviceError, MissingExtraError, RankFailure
 from . import transport as _transport
 from . import worker as _worker
+from .task_errors import failure_record
 
 __all__ = ["DeviceActor", "import_ray", "place", "ray_devices", "Session", "with_place"]
 
@@ -162,7 +163,7 @@ class DeviceActor:
         return _worker.call_with_device(fn_and_position, args, kwargs, self.device, self.pass_device)
 
     def _failure(self, exc: BaseException):
-        record, blob = _worker._failure(self.index, str(self.device), exc, traceback.format_exc())
+        record, blob = failure_record(self.index, str(self.device), exc, traceback.format_exc())
         return with_place(record, self.where), blob
 
     def ready(self):

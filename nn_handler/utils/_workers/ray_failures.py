@@ -10,7 +10,7 @@ import re
 
 from ...errors import RankFailure
 from . import transport as _transport
-from . import worker as _worker
+from .task_errors import describe
 
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # the terminal colour codes in Ray's own messages
 
@@ -67,12 +67,12 @@ def lost(ray, slot, name: str, error: BaseException) -> tuple[RankFailure, BaseE
     cause = getattr(error, "cause", None)
     if isinstance(error, ray.exceptions.RayTaskError) and isinstance(cause, TypeError):
         # Ray pickles the reply after the actor's method returned: say it as the local pool does.
-        exc = TypeError(f"the result of {name.rpartition('.')[2]} could not be pickled ({_worker.describe(cause)}); "
+        exc = TypeError(f"the result of {name.rpartition('.')[2]} could not be pickled ({describe(cause)}); "
                         f"return tensors, numbers, lists or dicts of them")
     else:
         exc = cause if isinstance(cause, BaseException) else None
     shown = exc if exc is not None else error
-    return record(slot, clean(_worker.describe(shown)), exc_type=type(shown).__qualname__,
+    return record(slot, clean(describe(shown)), exc_type=type(shown).__qualname__,
                   traceback=clean(getattr(error, "traceback_str", "") or "")), exc
 
 

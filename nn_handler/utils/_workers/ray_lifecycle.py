@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from ...errors import ExecutorTimeoutError, ParallelExecutionError, RankFailure, WorkerDiedError
 from . import ray_failures as _failures
 from . import transport as _transport
-from . import worker as _worker
 from .calls import _Task
 from .ray_actor import DeviceActor, Session
+from .task_errors import describe
 
 # Seconds shutdown() waits for Ray to have the killed actors dead.
 _STOP_GRACE = 10.0
@@ -224,7 +224,7 @@ class ActorLifecycle:
             except BaseException as exc:  # Ray itself failed: the task fails with it
                 slot.task = slot.deadline = None
                 slot.starting = False
-                self._fail(task, _failures.record(slot, _failures.clean(_worker.describe(exc)),
+                self._fail(task, _failures.record(slot, _failures.clean(describe(exc)),
                                                   exc_type=type(exc).__qualname__))
                 self._after_settle()
                 return

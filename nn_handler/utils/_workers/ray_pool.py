@@ -43,10 +43,10 @@ from ...errors import PayloadPicklingError, RankFailure
 from . import ray_failures as _failures
 from . import server
 from . import transport as _transport
-from . import worker as _worker
 from .calls import _Call, _Task
 from .ray_actor import Session, import_ray, place
 from .ray_lifecycle import ActorLifecycle, _Slot
+from .task_errors import describe
 
 __all__ = ["RayPool"]
 
@@ -218,7 +218,7 @@ class RayPool(ActorLifecycle):
         except Exception as exc:  # Ray refused the task itself (its actor gone for good, say)
             slot.task = slot.deadline = None
             slot.known = _transport.FunctionCache()
-            self._fail(task, _failures.record(slot, _failures.clean(_worker.describe(exc)),
+            self._fail(task, _failures.record(slot, _failures.clean(describe(exc)),
                                               exc_type=type(exc).__qualname__))
             return
         if getattr(call, "owner", None) == threading.get_ident():

@@ -27,7 +27,7 @@ from . import lending, pipes
 from . import transport as _transport
 from .bookkeeping import Bookkeeping
 from .calls import _POLL_IN, _Call, _Slot, _Task, _readable
-from .worker import describe
+from .task_errors import describe
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,8 @@ from typing import Sequence
 
 from ..._checks import check_int, invalid
 from ...errors import ConfigurationError, ParallelExecutionError, RankFailure
+from . import worker
+from .task_errors import failure_record, unpicklable_result
 
 __all__ = ["cpu_pool", "required_device", "check_device_given", "Settled", "Raised", "outcomes", "unpicklable_items",
            "function_name"]
@@ -138,8 +140,6 @@ class Settled:
         self.__name__ = function_name(func)  # what the worker's messages call it
 
     def __call__(self, item, device=None):
-        from . import worker  # (loaded in every worker already)
-
         args = tuple(item) if self.star else (item,)
         try:
             return worker.call_with_device((self.func, self.position), args, {}, device, self.pass_device)
@@ -148,13 +148,15 @@ class Settled:
                 worker.end_after_task()
             return _raised(exc, device)
 
+    def settle_unpicklable(self, values: list, probe, device) -> list:
+        """What the worker sends for a chunk whose results did not pickle: :func:`unpicklable_items`."""
+        return unpicklable_items(values, self, probe, device)
+
 
 def _raised(exc: BaseException, device) -> Raised:
     """The record of ``exc``, the exception being handled, raised on this worker."""
-    from . import worker
-
     index = worker.worker_index()
-    return Raised(*worker._failure(0 if index is None else index, _device_name(device), exc, traceback.format_exc()))
+    return Raised(*failure_record(0 if index is None else index, _device_name(device), exc, traceback.format_exc()))
 
 
 def unpicklable_items(values: list, fn, probe, device) -> list:
@@ -163,15 +165,13 @@ def unpicklable_items(values: list, fn, probe, device) -> list:
     ``probe(value)`` pickles a value without writing its large tensors (``Encoder.probe``), raising what
     pickling it raises; ``fn`` names the function in the error.
     """
-    from . import worker
-
     settled = []
     for value in values:
         try:
             probe(value)
         except Exception as exc:
             try:
-                raise worker._unpicklable_result(fn, exc) from exc
+                raise unpicklable_result(fn, exc) from exc
             except Exception as error:
                 value = _raised(error, device)
         settled.append(value)

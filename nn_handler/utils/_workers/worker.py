@@ -30,9 +30,9 @@ import threading
 import time
 import traceback
 
-from ...errors import RankFailure
 from . import pipes
 from . import transport as _transport
+from .task_errors import failure_record, unpicklable_result
 
 _index: int | None = None  # this worker's position in its pool; None outside a worker
 _state: dict = {}
@@ -126,51 +126,6 @@ def _parent_alive(pid: int) -> bool:
     return True
 
 
-def describe(exc: BaseException) -> str:
-    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
-    try:
-        return str(exc)
-    except Exception as inner:
-        try:
-            detail = f"{type(inner).__qualname__}: {inner}"
-        except Exception:
-            detail = type(inner).__qualname__
-        return f"<str() failed: {detail}>"
-
-
-def _failure(index: int, device: str, exc: BaseException, tb: str) -> tuple[RankFailure, bytes | None]:
-    record = RankFailure(
-        rank=index,
-        device=device,
-        pid=os.getpid(),
-        exc_type=type(exc).__qualname__,
-        message=describe(exc),  # a failing __str__ must not take the worker down with it
-        traceback=tb,
-    )
-    # Send the exception object itself only if it can be rebuilt: a class
-    # with a custom __init__ often cannot be unpickled. (A class the caller
-    # cannot import loads fine here; the caller guards its own loads.)
-    try:
-        blob = _transport.Encoder(None).dumps(exc)[0]
-        _transport.loads(blob)
-    except Exception:
-        blob = None
-    return record, blob
-
-
-def _unpicklable_result(fn, exc: Exception) -> Exception:
-    """What a result that cannot be pickled raises: the pickling error's own type, as ``ProcessPoolExecutor``
-    gives it (``PicklingError``, ``TypeError``), saying what to return instead (``TypeError`` where that type
-    takes no message)."""
-    message = (f"the result of {getattr(fn, '__name__', 'the function')} could not be pickled ({describe(exc)}); "
-               f"return tensors, numbers, lists or dicts of them")
-    try:
-        error = type(exc)(message)
-    except Exception:
-        return TypeError(message)
-    return error if isinstance(error, Exception) else TypeError(message)
-
-
 def threads_wanted(share: int, environ=os.environ) -> int:
     """The torch threads of a worker: ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``, which wins) where the caller's
     environment sets it, as torch takes them in a process of its own (no more than the machine's cores), else
@@ -258,7 +213,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         gc.freeze()
         conn.send_bytes(pickle.dumps(("ready", None, os.getpid())))
     except BaseException as exc:
-        record, blob = _failure(index, device_str, exc, traceback.format_exc())
+        record, blob = failure_record(index, device_str, exc, traceback.format_exc())
         conn.send_bytes(pickle.dumps(("err", None, (record, blob))))
         return
 
@@ -319,15 +274,15 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                 try:
                     body, _ = encoder.dumps(result)
                 except Exception as exc:
-                    from .sweep import Settled, unpicklable_items  # (loaded already where the function is one)
-
-                    if kind != "map" or not isinstance(cached_fn[0], Settled):
-                        raise _unpicklable_result(cached_fn[0], exc) from exc
-                    # return_exceptions: a result that cannot be pickled is its own item's error, not its chunk's
-                    body, _ = encoder.dumps(unpicklable_items(result, cached_fn[0], encoder.probe, device_str))
+                    # return_exceptions (sweep.Settled): a result that cannot be pickled is its own item's
+                    # error, not its chunk's. Asked of the function, so that this loop knows no sweep.
+                    settle = getattr(cached_fn[0], "settle_unpicklable", None) if kind == "map" else None
+                    if settle is None:
+                        raise unpicklable_result(cached_fn[0], exc) from exc
+                    body, _ = encoder.dumps(settle(result, encoder.probe, device_str))
                 reply = ("ok", call_id, body)
         except BaseException as exc:
-            failure = _failure(index, device_str, exc, traceback.format_exc())
+            failure = failure_record(index, device_str, exc, traceback.format_exc())
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 # The function asked this process to end: say so, so that the
                 # pool replaces it at once instead of sending it the next call.
