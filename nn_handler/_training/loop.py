@@ -97,12 +97,16 @@ class Loop:
         """Train until ``limits``, with the train-level hooks around it (none when there is nothing to do)."""
         parts, state = self.parts, self.state
         self.validate_every, self.val_steps = validate_every, validate_every_n_steps
+        # Said by rank 0 alone, as the resume line: every rank knows it, one line says it.
         if state.finished_early:
-            log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
-                        "nothing to do", state.epoch)
+            if parts.is_main_process:
+                log.warning("train(): the run stopped early after epoch %d (resumed from its last checkpoint); "
+                            "nothing to do", state.epoch)
             return
         if limits.reached(state):
-            log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch, state.global_step)
+            if parts.is_main_process:
+                log.warning("train(): already at epoch %d, global step %d: nothing to do", state.epoch,
+                            state.global_step)
             return
         check_frozen_at_wrap(parts)
         self.state.stop_training = False

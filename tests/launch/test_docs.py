@@ -276,6 +276,13 @@ def test_readme_commands_match_ci():
     assert main_command in newcomer, ".ci/newcomer must run exactly the README's main command"
 
 
+def test_quickstart_installs_as_the_readme_does():
+    readme = (REPO / "README.md").read_text()
+    main_command = re.findall(r"^python3 -m venv .*$", readme, re.M)[0]
+    install = main_command.removesuffix(" && .venv/bin/python examples/quickstart.py")
+    assert install in (REPO / "docs" / "quickstart.md").read_text().splitlines(), install
+
+
 def test_readme_taste_as_a_script_prints_each_line_once(tmp_path):
     # Copied into a file and run with python: the ranks of run_distributed are
     # spawned processes, which must not re-run the script's top-level prints.

@@ -108,6 +108,8 @@ def test_predict_returns_each_sample_once_in_input_order_with_an_odd_dataset():
 
 
 def _stop_body(rank):
+    import logging
+
     from nn_handler import Callback, EarlyStopping
     from scripts.handler_case import make_data, make_handler
 
@@ -126,12 +128,24 @@ def _stop_body(rank):
     stopper = EarlyStopping("score", patience=2)
     two = make_handler(callbacks=[Scripted(), stopper])
     two.set_train_loader((X, y), batch_size=8)
-    return len(one.train(10, progress=False)), len(two.train(10, progress=False)), stopper.stopped_epoch
+    stopped = len(one.train(10, progress=False)), len(two.train(10, progress=False)), stopper.stopped_epoch
+    said = []
+    log = logging.getLogger("nn_handler._training.loop")
+    log.addHandler(catch := logging.Handler())
+    catch.emit = lambda record: said.append(record.getMessage())
+    try:
+        two.train(4, progress=False)  # already at epoch 4
+    finally:
+        log.removeHandler(catch)
+    return stopped, said
 
 
-def test_every_rank_stops_at_the_same_epoch():
+def test_every_rank_stops_at_the_same_epoch_and_rank_zero_alone_says_nothing_is_left_to_do():
     results = check_ranks(run_distributed(_stop_body, nprocs=2, timeout=TIMEOUT))
-    assert results == [(2, 4, 4), (2, 4, 4)]
+    assert [stopped for stopped, _ in results] == [(2, 4, 4), (2, 4, 4)]
+    [line] = results[0][1]
+    assert line.startswith("train(): already at epoch 4, global step ") and line.endswith(": nothing to do")
+    assert results[1][1] == []  # one line per run, as the resume line, not one per rank
 
 
 def _nonfinite_body(rank, check_every):
