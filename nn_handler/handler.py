@@ -592,18 +592,15 @@ class NNHandler:
 
         Starts ``nprocs`` processes (one per GPU by default, with NCCL; gloo on
         CPU, where ``nprocs`` must be given) on the worker pool of
-        :class:`~nn_handler.ParallelExecutor`, joins them into one process
-        group, and runs ``fn`` in each; an ``NNHandler`` built inside ``fn``
-        trains distributed. ``fn`` travels with cloudpickle, so functions
-        defined in a notebook work. The processes end with the call. Under
-        a launch that already started every rank (torchrun, srun, mpirun, a
-        group of several ranks already up), nothing is started: ``fn`` runs
-        once, here, as this rank, so one script runs under them all.
+        :class:`~nn_handler.ParallelExecutor`, joins them into one group and runs
+        ``fn`` in each (it travels with cloudpickle: notebook functions work).
+        Under torchrun, srun, mpirun or a group of several ranks already up,
+        nothing starts: ``fn`` runs once here, as this rank, so one script runs anywhere.
 
         Args:
             fn: The function to run on every rank.
             *args: Its positional arguments.
-            nprocs: Number of processes.
+            nprocs: Number of processes (an existing launch's world size).
             timeout: Seconds before the call is abandoned and its processes
                 killed (``TimeoutError``); no limit by default (nor under an existing launch).
             stall_timeout: The ranks' stall watchdog, as on ``NNHandler``; a number wins over the variable.
@@ -617,8 +614,7 @@ class NNHandler:
                 tear the group down, so the others fail fast instead of waiting
                 in a collective; every rank's traceback is in the message).
             WorkerDiedError: A process died.
-            ValueError: ``nprocs`` missing without GPUs, or more than the GPUs, or
-                other than an existing launch's world size.
+            ValueError: ``nprocs`` missing without GPUs, more than the GPUs, or not the launch's world size.
 
         Example:
             >>> def body():
