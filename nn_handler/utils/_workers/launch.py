@@ -387,7 +387,7 @@ def _run_in_existing_launch(fn: Callable[..., Any], args: tuple, kwargs: dict, n
 
     initialize_ddp(stall_timeout=stall_timeout)
     result = fn(*args, **kwargs)
-    cleanup_ddp()  # as the ranks launch starts leave the group it joined them to (only on success: see _rank_body)
+    cleanup_ddp()  # leave the group, as the ranks launch starts do (only on success: see _rank_body)
     return result
 
 
