@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .._padding import pad_concat
 from .._tree import tensors
 from ..errors import ConfigurationError
 from ..utils._collectives import check_collective_allowed, gather, side_group
@@ -129,7 +130,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
 
     A tensor output gives one tensor, a tuple one tuple, a mapping output (a Hugging Face ``ModelOutput``) the same
     kind of mapping, each of their batched tensors concatenated, padded with ``padding_value`` where the batches'
-    lengths differ (:mod:`.outputs`).
+    lengths differ (:func:`nn_handler._padding.pad_concat`).
     """
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
@@ -150,7 +151,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
         module.train(was_training)
     if parts.is_main_process:
         O.warn_dropped(dropped)
-    local = O.concat(outputs, padding_value) if outputs else None
+    local = pad_concat(outputs, padding_value) if outputs else None
     if not isinstance(sampler, DistributedSampler) or not parts.in_group:
         if local is None:
             raise ConfigurationError("predict(): the data yielded no samples")
@@ -162,7 +163,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
     if not parts_of_ranks:
         raise ConfigurationError("predict(): the data yielded no samples")
     # The ranks' shards, each padded to its own longest, are padded to the longest of all as one batch would be.
-    full = O.concat([out for _, out, _ in parts_of_ranks], padding_value)
+    full = pad_concat([out for _, out, _ in parts_of_ranks], padding_value)
     ordered = O.in_order(full, [i for indices, _, _ in parts_of_ranks for i in indices], len(sampler.dataset))
     return O.as_kind(parts_of_ranks[0][2], ordered)
 
