@@ -362,6 +362,8 @@ def assemble(parts: list[tuple[list[int], Any, bool]], padding_value: float) -> 
     order = None if indices == sorted(indices) else torch.argsort(torch.tensor(indices))
 
     def join(leaves: list):
+        if all(leaf is None for leaf in leaves):  # a scalar left out (NNHandler.predict(data_parallel=True))
+            return None
         if all(isinstance(t, torch.Tensor) for t in leaves):
             if all(t.dim() == 0 for t in leaves):
                 return torch.stack(leaves)
