@@ -302,5 +302,6 @@ def test_the_callers_memory_does_not_grow_with_the_data_set(tmp_path):
     assert run.returncode == 0, run.stderr
     small, large = map(float, run.stdout.split("GROWTH")[1].split())
     # 100,000 items x 128 floats are 49 MiB of outputs (and as much input): held in the caller, the peak would
-    # grow by that much over the 10,000 items' run.
-    assert large - small < 30, (small, large)
+    # grow by that much over the 10,000 items' run. Measured here: about 1 MiB (the done mask and shard index);
+    # 14 MiB when the shards' index lists kept each shard file's bytes alive.
+    assert large - small < 8, (small, large)
