@@ -154,6 +154,10 @@ def test_an_iterable_run_knows_its_length_at_the_end(tmp_path):
     _write_all(tmp_path, [[2]])
     assert len(store.finish(4)) == 4
     assert json.loads((tmp_path / MANIFEST).read_text())["n_items"] == 4
+    rerun = _store(tmp_path, identity={"n_items": None, "fingerprint": "gen"})  # the generator now yields more
+    assert rerun.done_mask().tolist() == [True] * 4
+    with pytest.raises(PredictionsError, match="predictions of 4 items, this run's input had 5: other data"):
+        rerun.finish(5)
 
 
 def test_a_rerun_with_other_data_or_settings_is_refused_naming_the_dir_and_each_difference(tmp_path):
