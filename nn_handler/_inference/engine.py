@@ -198,6 +198,8 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
         if n_done:
             total = "?" if source.n_items is None else f"{source.n_items:,}"
             print(f"{name}: {n_done:,} of {total} items done in {output_dir}, resuming", file=sys.stderr, flush=True)
+        if n_done == source.n_items:  # nothing left: no worker to start
+            return store.finish(n_done)
         limit = len(done_mask)
         done = (lambda i: i < limit and bool(done_mask[i])) if n_done else None
     elif source.n_items == 0:
@@ -362,6 +364,8 @@ def assemble(parts: list[tuple[list[int], Any, bool]], padding_value: float) -> 
     order = None if indices == sorted(indices) else torch.argsort(torch.tensor(indices))
 
     def join(leaves: list):
+        if all(leaf is None for leaf in leaves):  # a scalar left out (NNHandler.predict(data_parallel=True))
+            return None
         if all(isinstance(t, torch.Tensor) for t in leaves):
             if all(t.dim() == 0 for t in leaves):
                 return torch.stack(leaves)

@@ -221,7 +221,9 @@ def scan_shards(output_dir: str | os.PathLike) -> tuple[list[tuple[str, torch.Te
     for name in _shard_files(Path(output_dir)):
         try:
             with safe_open(str(Path(output_dir) / name), framework="pt") as f:
-                found.append((name, f.get_tensor(INDICES_KEY)))
+                # A copy: the tensor safetensors returns keeps the whole file's bytes alive (all shards' outputs
+                # held at once in the caller otherwise).
+                found.append((name, f.get_tensor(INDICES_KEY).clone()))
         except Exception:  # a truncated or foreign file: safetensors raises its own error types
             unreadable.append(name)
     return found, unreadable

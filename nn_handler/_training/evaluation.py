@@ -178,8 +178,9 @@ def _batched(out: Any, dropped: set[str]) -> Any:
 
 
 def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size: int | None,
-                          device_ids: Sequence[int | str] | None) -> torch.Tensor:
-    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process."""
+                          device_ids: Sequence[int | str] | None, padding_value: float = -100) -> Any:
+    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process: the same outputs as
+    :func:`predict` (ragged ones padded with ``padding_value``)."""
     if parts.in_group:
         raise ConfigurationError(
             "predict(data_parallel=True) starts one worker per device itself; call it from a single "
@@ -190,7 +191,8 @@ def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size
     if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
     return parallel_predict(InputsOnly(module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
-                            device_ids=device_ids, autocast=parts.precision.dtype or False)
+                            device_ids=device_ids, autocast=parts.precision.dtype or False,
+                            padding_value=padding_value)
 
 
 class InputsOnly(nn.Module):
@@ -206,4 +208,4 @@ class InputsOnly(nn.Module):
         out = B.call(self.model, inputs)
         if isinstance(out, Mapping):  # as predict(): its batched tensors, scalars such as the loss left out
             return O.as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
-        return out
+        return O.batched_cpu(out, set())  # as predict(): a scalar (a loss) in a tuple is None
