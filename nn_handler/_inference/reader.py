@@ -120,10 +120,12 @@ class Predictions(collections.abc.Sequence):
     def __reduce__(self):  # travels as its directory: another process opens it again
         return (type(self).open, (str(self.output_dir),))
 
-    def stack(self) -> Any:
+    def stack(self, part: str | int | None = None) -> Any:
         """Every item's output stacked along a new dim 0: one tensor per leaf, as the model returned it.
 
-        For fixed-shape outputs (one vector per item); ragged outputs (one row per token) raise, as do failed items.
+        For fixed-shape outputs (one vector per item); ragged ones (one row per token) raise, as do failed items.
+        ``part``: only that entry of a dict (its key) or tuple / list output (its index), e.g. ``stack("pooled")``
+        beside a ragged ``"per_residue"``.
         """
         missing = self._shard_of < 0
         if missing.any():
@@ -133,27 +135,30 @@ class Predictions(collections.abc.Sequence):
                                    f"the call without on_error='skip' to compute them")
         if not len(self):
             raise PredictionsError(f"stack(): {self.output_dir} holds no items")
+        first = self._handle(int(self._shard_of[0]))[1]
+        if isinstance(part, int) and part < 0 and isinstance(first, dict) and "dict" not in first:
+            part += len(next(iter(first.values())))  # from the end of a tuple / list output
         # The shapes first, from the shards' headers: a ragged output is refused before any tensor is read.
-        structure, example = self._layout(0)
+        structure, example = self._layout(0, part)
         for number in torch.unique(self._shard_of).tolist():
             handle, shard_structure = self._handle(number)
             for index in handle.get_tensor(INDICES_KEY).tolist():
-                if shard_structure != structure:
+                if _part(shard_structure, part, index) != structure:
                     raise PredictionsError(f"stack(): item {index}'s output is nested as {json.dumps(shard_structure)}"
-                                           f", item 0's as {json.dumps(structure)}")
-                for (leaf, shape, _), key in zip(example, _leaf_keys(structure, str(index))):
+                                           f", item 0's as {json.dumps(first)}")
+                for (leaf, shape, _), key in zip(example, _leaf_keys(structure, _key(index, part))):
                     here = list(handle.get_slice(key).get_shape())
                     if here != shape:
-                        what = f"output {leaf[1:]!r}" if leaf else "output"
+                        what = f"output {leaf!r}" if leaf else "output"
                         raise PredictionsError(
                             f"stack() needs outputs of one shape: item {index}'s {what} is {tuple(here)}, item 0's "
-                            f"{tuple(shape)}. Iterate over the Predictions one item at a time, or pad them: "
-                            f"torch.nn.utils.rnn.pad_sequence(list(preds), batch_first=True)")
+                            f"{tuple(shape)}. Iterate over the Predictions one item at a time, pad them "
+                            f"(torch.nn.utils.rnn.pad_sequence), or stack a fixed-shape part: stack(part=...)")
         leaves = [torch.empty((len(self), *shape), dtype=dtype) for _, shape, dtype in example]
         for number in torch.unique(self._shard_of).tolist():
             handle, _ = self._handle(number)
             for index in handle.get_tensor(INDICES_KEY).tolist():
-                for out, key in zip(leaves, _leaf_keys(structure, str(index))):
+                for out, key in zip(leaves, _leaf_keys(structure, _key(index, part))):
                     out[index] = handle.get_tensor(key)
         it = iter(leaves)
         return unflatten(structure, "", lambda key: next(it))
@@ -189,14 +194,32 @@ class Predictions(collections.abc.Sequence):
             self._open.popitem(last=False)
         return handle, structure
 
-    def _layout(self, index: int) -> tuple[Any, list[tuple[str, list[int], torch.dtype]]]:
-        """Item ``index``'s structure and each of its leaves' ``(path, shape, dtype)``."""
+    def _layout(self, index: int, part: str | int | None) -> tuple[Any, list[tuple[str, list[int], torch.dtype]]]:
+        """Item ``index``'s structure (of ``part``) and each of its leaves' ``(path, shape, dtype)``."""
         handle, structure = self._handle(int(self._shard_of[index]))
+        structure = _part(structure, part, index)
         leaves = []
-        for key in _leaf_keys(structure, str(index)):
+        for key in _leaf_keys(structure, _key(index, part)):
             t = handle.get_tensor(key)
-            leaves.append((key[len(str(index)):], list(t.shape), t.dtype))
+            leaves.append((key[len(str(index)) + 1:], list(t.shape), t.dtype))
         return structure, leaves
+
+
+def _key(index: int, part: str | int | None) -> str:
+    return str(index) if part is None else f"{index}/{part}"
+
+
+def _part(structure: Any, part: str | int | None, index: int) -> Any:
+    """The structure of ``part`` of an output nested as ``structure``; a clear error where it has none."""
+    if part is None:
+        return structure
+    kind, children = next(iter(structure.items())) if isinstance(structure, dict) else (structure, None)
+    if kind == "dict" and part in children:
+        return children[part]
+    if kind in ("tuple", "list") and isinstance(part, int) and 0 <= part < len(children):
+        return children[part]
+    raise PredictionsError(f"stack(part={part!r}): item {index}'s output has no such part (it is nested as "
+                           f"{json.dumps(structure)})")
 
 
 def _leaf_keys(structure: Any, key: str) -> list[str]:

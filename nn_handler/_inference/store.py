@@ -392,13 +392,17 @@ class ShardStore:
         n_items = int(n_items)
         known = self._manifest["n_items"]
         if known is not None and known != n_items:
-            raise PredictionsError(f"{self.output_dir}: the run has {known} items, finish() was told {n_items}")
+            raise PredictionsError(f"{self.output_dir} holds the predictions of {known} items, this run's input had "
+                                   f"{n_items}: other data; use another output_dir, or pass overwrite=True to delete "
+                                   f"its predictions and start over")
         self._manifest["n_items"] = n_items
         found, unreadable = scan_shards(self.output_dir)
         shard_of = torch.full((n_items,), -1, dtype=torch.int32)
         for number, (_, idx) in enumerate(found):
             if len(idx) and int(idx.max()) >= n_items:
-                raise PredictionsError(f"{self.output_dir}: a shard holds item {int(idx.max())} of {n_items}")
+                raise PredictionsError(f"{self.output_dir}: a shard holds item {int(idx.max())}, this run's input had "
+                                       f"{n_items} items: other data; use another output_dir, or pass overwrite=True "
+                                       f"to delete its predictions and start over")
             shard_of[idx] = number
         covered = shard_of >= 0
         for entry in self._manifest["failed"]:

@@ -154,6 +154,10 @@ def test_an_iterable_run_knows_its_length_at_the_end(tmp_path):
     _write_all(tmp_path, [[2]])
     assert len(store.finish(4)) == 4
     assert json.loads((tmp_path / MANIFEST).read_text())["n_items"] == 4
+    rerun = _store(tmp_path, identity={"n_items": None, "fingerprint": "gen"})  # the generator now yields more
+    assert rerun.done_mask().tolist() == [True] * 4
+    with pytest.raises(PredictionsError, match="predictions of 4 items, this run's input had 5: other data"):
+        rerun.finish(5)
 
 
 def test_a_rerun_with_other_data_or_settings_is_refused_naming_the_dir_and_each_difference(tmp_path):
@@ -233,8 +237,12 @@ def test_stack_stacks_fixed_shapes_and_refuses_ragged_ones_with_a_way_out(tmp_pa
     ragged = tmp_path / "ragged"
     store = _store(ragged)
     _write_all(ragged, [[0, 1, 2], [3, 4, 5]], lambda i: (torch.ones(2), _ragged(i)))
+    p = store.finish(6)
     with pytest.raises(PredictionsError, match=r"item 1's output '1' is \(2, 3\), item 0's \(1, 3\).*pad_sequence"):
-        store.finish(6).stack()
+        p.stack()
+    assert p.stack(0).shape == (6, 2) and p.stack(part=-2).shape == (6, 2)  # a fixed-shape part beside ragged ones
+    with pytest.raises(PredictionsError, match=r"stack\(part='pooled'\): item 0's output has no such part"):
+        p.stack("pooled")
 
 
 def test_reading_is_lazy_one_open_per_shard_and_none_to_open(tmp_path, monkeypatch):
