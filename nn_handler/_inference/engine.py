@@ -186,6 +186,8 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
     """Run the model over ``source`` on every worker; the outputs in input order, in memory or as
     :class:`~nn_handler.Predictions` read from ``output_dir``. Arguments are checked by the public faces."""
     store, done = None, None
+    if source.n_items == 0:
+        raise ConfigurationError("data is empty: there is nothing to predict")
     if output_dir is not None:
         output_dir = os.path.abspath(os.fspath(output_dir))
         identity = {"n_items": source.n_items, "fingerprint": fingerprint(source.head()),
@@ -196,14 +198,12 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
         done_mask = store.done_mask()
         n_done = int(done_mask.sum())
         if n_done:
-            total = "?" if source.n_items is None else f"{source.n_items:,}"
-            print(f"{name}: {n_done:,} of {total} items done in {output_dir}, resuming", file=sys.stderr, flush=True)
+            total = "" if source.n_items is None else f" of {source.n_items:,}"
+            print(f"{name}: {n_done:,}{total} items done in {output_dir}, resuming", file=sys.stderr, flush=True)
         if n_done == source.n_items:  # nothing left: no worker to start
             return store.finish(n_done)
         limit = len(done_mask)
         done = (lambda i: i < limit and bool(done_mask[i])) if n_done else None
-    elif source.n_items == 0:
-        raise ConfigurationError("data is empty: there is nothing to predict")
     settings = Settings(source.collate(collate_fn), autocast, output_dir, trim=length is not None)
     batches = _batches(source, done, batch_size, max_tokens, length, num_workers)
     token = uuid.uuid4().hex
@@ -225,8 +225,11 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
     bar.close() if isinstance(bar, _NoBar) else _progress.close(bar, failed)
     if run.failure is not None:
         raise run.error()
+    n_items = source.n_items if source.n_items is not None else source.read
+    if n_items == 0:
+        raise ConfigurationError("data is empty: the iterable yielded no sample")
     if store is not None:
-        return store.finish(run.seen if source.n_items is None else source.n_items)
+        return store.finish(n_items)
     if not run.parts:
         raise ConfigurationError("data is empty: there is nothing to predict")
     return assemble(run.parts, padding_value)
@@ -286,7 +289,6 @@ class _Run:
         self.store, self.on_error, self.name = store, on_error, name
         self.parts: list[tuple[list[int], Any, bool]] = []
         self.failure: tuple[Batch, BaseException] | None = None
-        self.seen = 0  # items read so far (an iterable's length, at the end)
 
     def drive(self, executor: ParallelExecutor, token: str, batches: Iterator[Batch], bar) -> None:
         limit = IN_FLIGHT_PER_DEVICE * executor.num_workers
@@ -297,7 +299,6 @@ class _Run:
                     batch = next(batches, None)
                     if batch is None:
                         break
-                    self.seen = max(self.seen, max(batch.indices) + 1)
                     pending[executor.submit(run_batch, token, batch)] = (batch, 0)
                 if not pending:
                     return

@@ -42,6 +42,7 @@ class Source:
         self.data, self.n_items, self.collate_fn = data, n_items, collate_fn
         self._iterator: Iterator | None = None
         self._head: list = []
+        self.read = 0  # items read by items() so far, the done ones included: an iterable's length at its end
 
     @classmethod
     def of(cls, data: Any) -> "Source":
@@ -96,12 +97,18 @@ class Source:
         if self.n_items is None:
             iterator = self._iterator if self._iterator is not None else iter(self.data)
             self._iterator = None
-            numbered = enumerate(itertools.chain(self._head, iterator))
-            return ((i, s) for i, s in numbered if not done(i))
+            return self._numbered(itertools.chain(self._head, iterator), done)
+        self.read = self.n_items
         todo = (i for i in range(self.n_items) if not done(i))
         if self.is_tensor or not num_workers:
             return ((i, self.data[i]) for i in todo)
         return _read_ahead(self.data, todo, num_workers)
+
+    def _numbered(self, samples: Iterator, done: Callable[[int], bool]) -> Iterator[tuple[int, Any]]:
+        for i, sample in enumerate(samples):
+            self.read = i + 1
+            if not done(i):
+                yield i, sample
 
 
 def _read_ahead(data, indices: Iterator[int], num_workers: int) -> Iterator[tuple[int, Any]]:

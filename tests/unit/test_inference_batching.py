@@ -46,6 +46,8 @@ def test_an_iterable_is_read_once_without_its_length_and_skips_the_done_items():
     source = Source.of(_Stream())
     assert source.n_items is None and fingerprint(source.head()) == fingerprint(list(_Stream())[:3])
     assert [i for i, _ in source.items(done=lambda i: i < 2)] == [2, 3, 4]
+    tail_done = Source.of(iter(range(5)))
+    assert [i for i, _ in tail_done.items(done=lambda i: i >= 3)] == [0, 1, 2] and tail_done.read == 5
 
 
 def test_per_item_outputs_are_split_and_trimmed_and_assembled_in_input_order():
