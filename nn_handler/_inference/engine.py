@@ -206,6 +206,8 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
         done = (lambda i: i < limit and bool(done_mask[i])) if n_done else None
     settings = Settings(source.collate(collate_fn), autocast, output_dir, trim=length is not None)
     batches = _batches(source, done, batch_size, max_tokens, length, num_workers)
+    if backend == "ray":
+        batches = map(_compact, batches)
     token = uuid.uuid4().hex
     try:
         executor = ParallelExecutor(device_ids=device_ids, backend=backend, initializer=start_worker,
@@ -270,6 +272,13 @@ def _tensor_batches(data: torch.Tensor, batch_size: int, done) -> Iterator[Batch
             yield Batch(indices, data[start:stop])
         elif indices:
             yield Batch(indices, data[indices])
+
+
+def _compact(batch: Batch) -> Batch:
+    """The batch with every tensor that is a view of a larger one (a row of a ``TensorDataset``, a slice) copied
+    alone: Ray pickles a view with its whole storage (the executor's own transport sends only the view's bytes)."""
+    batch.samples = apply(batch.samples, lambda t: t.clone() if t.untyped_storage().nbytes() > t.nbytes else t)
+    return batch
 
 
 class _NoBar:
