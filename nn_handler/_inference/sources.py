@@ -64,7 +64,7 @@ class Source:
                             f"samples or an iterable of them, got {type(data).__name__}")
         if not isinstance(data, IterableDataset) and isinstance(data, (Dataset, Sequence)):
             try:
-                return cls(data, len(data), collate_fn)
+                return cls(data, len(data), collate_fn)  # type: ignore[arg-type]  # (TypeError below)
             except TypeError:  # a Dataset without __len__: read it as an iterable
                 pass
         if isinstance(data, Iterable):
