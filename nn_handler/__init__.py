@@ -22,6 +22,7 @@ from .errors import (
     LaunchEnvironmentError,
     MissingExtraError,
     NNHandlerError,
+    PredictionsError,
     NonFiniteLossError,
     ParallelExecutionError,
     RankFailedError,
@@ -52,6 +53,7 @@ _LAZY = {
     ".handler": ("NNHandler",),
     "._training.context": ("StepContext",),  # what a training_step gets; its home is the trainer's package
     ".history": ("History",),
+    "._inference.reader": ("Predictions",),  # what parallel_predict(output_dir=...) returns
     ".seeding": ("seed_everything",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -75,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from ._training.context import StepContext
     from .handler import NNHandler
     from .history import History
+    from ._inference.reader import Predictions
     from .seeding import seed_everything
     from .loggers import TensorBoardLogger
     from .utils._workers.worker import worker_state
@@ -173,6 +176,8 @@ __all__ = [
     "dispatch_model",
     "plan_device_map",
     "parallel_predict",
+    "Predictions",
+    "PredictionsError",
     "get_data_parallel_info",
     "validate_data_parallel_setup",
     # nn_handler.handler

@@ -39,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "MissingExtraError",
+    "PredictionsError",
     "RemoteTraceback",
     "ExecutorTimeoutError",
     "PayloadPicklingError",
@@ -443,6 +444,11 @@ class CheckpointMismatchError(CheckpointError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.missing, self.unexpected, self.mismatched))
+
+
+class PredictionsError(NNHandlerError, RuntimeError):
+    """A predictions directory (``parallel_predict(output_dir=...)``) cannot give what was asked: it is incomplete,
+    a shard is unreadable, or the item failed (``on_error="skip"``); the message names the directory and the item."""
 
 
 class MissingExtraError(NNHandlerError, ImportError):

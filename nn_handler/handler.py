@@ -485,7 +485,7 @@ class NNHandler:
             device_ids: Devices for ``data_parallel`` (all GPUs by default;
                 ``["cpu", "cpu"]`` for CPU workers).
             padding_value: Where batches' outputs differ in length (a collate that pads each batch to its
-                longest row), the shorter are padded to the longest with this (not with ``data_parallel``).
+                longest row), the shorter are padded to the longest with this.
 
         Returns:
             The concatenated outputs: a tensor, a tuple (of tuples) of them, or for a mapping output (``ModelOutput``)
@@ -500,7 +500,7 @@ class NNHandler:
         parts = self._parts()
         module = parts.module(model, "predict()")
         if data_parallel:
-            return evaluation.predict_data_parallel(parts, module, data, batch_size, device_ids)
+            return evaluation.predict_data_parallel(parts, module, data, batch_size, device_ids, padding_value)
         loader = D.predict_loader(data, batch_size, self._parallel, self.config.seed)
         return evaluation.predict(parts, module, loader, padding_value)
 

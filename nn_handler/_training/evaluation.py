@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .._padding import pad_concat
 from .._tree import tensors
 from ..errors import ConfigurationError
 from ..utils._collectives import check_collective_allowed, gather, side_group
@@ -129,7 +130,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
 
     A tensor output gives one tensor, a tuple one tuple, a mapping output (a Hugging Face ``ModelOutput``) the same
     kind of mapping, each of their batched tensors concatenated, padded with ``padding_value`` where the batches'
-    lengths differ (:mod:`.outputs`).
+    lengths differ (:func:`nn_handler._padding.pad_concat`).
     """
     check_collective_allowed("NNHandler.predict")  # the outputs meet in a gather, a sharded forward is a collective
     sampler = loader.sampler
@@ -150,7 +151,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
         module.train(was_training)
     if parts.is_main_process:
         O.warn_dropped(dropped)
-    local = O.concat(outputs, padding_value) if outputs else None
+    local = pad_concat(outputs, padding_value) if outputs else None
     if not isinstance(sampler, DistributedSampler) or not parts.in_group:
         if local is None:
             raise ConfigurationError("predict(): the data yielded no samples")
@@ -162,7 +163,7 @@ def predict(parts: Parts, module: nn.Module, loader: DataLoader, padding_value: 
     if not parts_of_ranks:
         raise ConfigurationError("predict(): the data yielded no samples")
     # The ranks' shards, each padded to its own longest, are padded to the longest of all as one batch would be.
-    full = O.concat([out for _, out, _ in parts_of_ranks], padding_value)
+    full = pad_concat([out for _, out, _ in parts_of_ranks], padding_value)
     ordered = O.in_order(full, [i for indices, _, _ in parts_of_ranks for i in indices], len(sampler.dataset))
     return O.as_kind(parts_of_ranks[0][2], ordered)
 
@@ -177,8 +178,9 @@ def _batched(out: Any, dropped: set[str]) -> Any:
 
 
 def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size: int | None,
-                          device_ids: Sequence[int | str] | None) -> torch.Tensor:
-    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process."""
+                          device_ids: Sequence[int | str] | None, padding_value: float = -100) -> Any:
+    """:func:`~nn_handler.parallel_predict` over ``module`` (unwrapped), from a single process: the same outputs as
+    :func:`predict` (ragged ones padded with ``padding_value``)."""
     if parts.in_group:
         raise ConfigurationError(
             "predict(data_parallel=True) starts one worker per device itself; call it from a single "
@@ -189,7 +191,8 @@ def predict_data_parallel(parts: Parts, module: nn.Module, data: Any, batch_size
     if isinstance(data, tuple) and all(isinstance(t, torch.Tensor) for t in data):
         data = TensorDataset(*data)
     return parallel_predict(InputsOnly(module), data, batch_size=batch_size or D.DEFAULT_BATCH_SIZE,
-                            device_ids=device_ids, autocast=parts.precision.dtype or False)
+                            device_ids=device_ids, autocast=parts.precision.dtype or False,
+                            padding_value=padding_value)
 
 
 class InputsOnly(nn.Module):
@@ -205,4 +208,4 @@ class InputsOnly(nn.Module):
         out = B.call(self.model, inputs)
         if isinstance(out, Mapping):  # as predict(): its batched tensors, scalars such as the loss left out
             return O.as_kind(type(out), {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
-        return out
+        return O.batched_cpu(out, set())  # as predict(): a scalar (a loss) in a tuple is None

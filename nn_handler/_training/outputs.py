@@ -5,7 +5,8 @@ A model's output per batch is a tensor, a tuple of them (``return_dict=False``),
 tensor with a batch dimension is kept and concatenated along it. Batches padded each to their own longest row
 (the usual Hugging Face collate) give outputs of different lengths: they are padded to the longest along each
 mismatched dimension with ``padding_value`` (-100, as the Hugging Face ``Trainer``'s ``nested_concat``), the
-same in one process and for the shards that the ranks gather under DDP.
+same in one process and for the shards that the ranks gather under DDP: :func:`nn_handler._padding.pad_concat`,
+the helper the inference engine shares.
 
 What has no batch dimension is not concatenated: a scalar (a loss) is left out of a mapping and is None in a
 tuple; anything else (a ``Cache`` object, a string) likewise, with a warning that names it.
@@ -14,8 +15,9 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 Example:
     >>> import torch
+    >>> from nn_handler._padding import pad_concat
     >>> short, long = torch.ones(2, 3), torch.full((1, 5), 2.0)
-    >>> concat([short, long], -100)
+    >>> pad_concat([short, long], -100)
     tensor([[   1.,    1.,    1., -100., -100.],
             [   1.,    1.,    1., -100., -100.],
             [   2.,    2.,    2.,    2.,    2.]])
@@ -28,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .._tree import apply, combine
+from .._tree import apply
 
 log = logging.getLogger(__name__)
 
@@ -62,29 +64,6 @@ def warn_dropped(dropped: set[str]) -> None:
     if dropped:
         log.warning("predict() left out %s: it concatenates tensors with a batch dimension, alone or in tuples, "
                     "lists and mappings", ", ".join(sorted(dropped)))
-
-
-def concat(chunks: list, padding_value: float) -> Any:
-    """The batches' outputs (of one structure) concatenated along the batch dimension, padded where they differ."""
-    return combine(chunks, lambda leaves: _pad_cat(leaves, padding_value))
-
-
-def _pad_cat(leaves: list, padding_value: float) -> torch.Tensor | None:
-    if not all(isinstance(t, torch.Tensor) for t in leaves):
-        return None  # a scalar or a dropped entry: None in every batch
-    dims = {t.dim() for t in leaves}
-    if len(dims) > 1:
-        raise ValueError(f"predict() cannot concatenate outputs with {sorted(dims)} dimensions: the model returned "
-                         f"tensors of different ranks for the same output in different batches")
-    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in leaves))]
-    if all(list(t.shape[1:]) == shape for t in leaves):
-        return torch.cat(leaves)
-    padded = []
-    for t in leaves:
-        out = t.new_full((t.shape[0], *shape), padding_value)
-        out[(slice(None), *(slice(0, size) for size in t.shape[1:]))] = t
-        padded.append(out)
-    return torch.cat(padded)
 
 
 def in_order(out: Any, indices: list[int], n: int) -> Any:

@@ -243,3 +243,28 @@ def test_bad_backend_arguments(kwargs, match):
         ParallelExecutor(device_ids=CPU2, **kwargs)
     with pytest.raises(ConfigurationError, match=match):
         parallelize_on_gpus(device_ids=CPU2, **kwargs)
+
+
+# ----------------------------------------------------------------------------- parallel_predict on Ray
+class _DiesOnce(torch.nn.Module):
+    """Doubles its input; the first process to see item 5 is killed with that batch in flight."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+
+    def forward(self, x):
+        if (x[:, 0] == 5).any() and not os.path.exists(self.marker):
+            open(self.marker, "x").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x * 2
+
+
+def test_parallel_predict_on_ray_runs_a_killed_actors_batch_again(cluster, tmp_path):
+    from nn_handler import parallel_predict
+
+    x = torch.arange(12.0).unsqueeze(1)
+    preds = parallel_predict(_DiesOnce(str(tmp_path / "died")), x, batch_size=2, backend="ray", device_ids=CPU2,
+                             output_dir=tmp_path / "out")
+    assert (tmp_path / "died").exists()  # an actor died with the batch of items 4-5
+    torch.testing.assert_close(preds.stack(), x * 2)

@@ -32,7 +32,7 @@ def run_example(name: str, *args: str, torchrun: bool = False, env: dict | None 
 
 
 TESTED = {"quickstart.py", "process_on_gpu.py", "matrix_multiply.py", "executor_context.py", "checkpoint_rank0.py",
-          "train_ddp.py", "predict.py", "ddp_init.py", "hf_finetune.py", "gan.py",
+          "train_ddp.py", "predict.py", "ddp_init.py", "hf_finetune.py", "gan.py", "embed_sequences.py",
           "ray_train.py"}  # needs Ray: run by tests/cluster/test_ray_train.py
 
 
@@ -150,6 +150,16 @@ def test_predict():
                      out), out
 
 
+def test_embed_sequences():
+    pytest.importorskip("transformers")
+    out = run_example("embed_sequences.py", "--sequences", "100", "--max-length", "256")
+    killed = re.search(r"^killed the run with (\d+) of 100 items on disk", out, re.M)
+    assert killed and int(killed[1]) >= 50, out
+    if int(killed[1]) < 100:  # killed before the end (nearly always): the rerun said what it resumed
+        assert re.search(rf"{killed[1]}( of [\d,]+)? items done in .*, resuming", out), out
+    assert "pooled (100, 32), per residue (length, 32) each; equal to a plain loop, one sequence at a time: True" in out
+
+
 def test_ddp_init_plain_python():
     out = run_example("ddp_init.py")
     assert "not distributed; running on " in out and re.search(r"rank 0: one step done, loss -?\d+\.\d+", out)
@@ -160,7 +170,7 @@ def test_an_example_that_needs_an_extra_says_which_and_is_marked_for_the_newcome
     needing = {p.name for p in EXAMPLES.glob("*.py") if re.search(r"import (ray|transformers)|from transformers",
                                                                   p.read_text())}
     marked = {p.name for p in EXAMPLES.glob("*.py") if re.search(r"^# needs-extra: ", p.read_text(), re.M)}
-    assert needing == marked == {"ray_train.py", "hf_finetune.py"}
+    assert needing == marked == {"ray_train.py", "hf_finetune.py", "embed_sequences.py"}
     # transformers imports numpy, which the environment without extras hides.
     result = run_command([sys.executable, str(EXAMPLES / "hf_finetune.py")], timeout=120,
                          env=without_extras_env(tmp_path))

@@ -118,6 +118,15 @@ SCRIPT = textwrap.dedent('''
         except MissingExtraError as exc:
             assert "pip install 'nn_handler[plot]'" in str(exc), exc
             print("ok plot_history names the plot extra")
+
+        # Prediction shards: written by nn_handler's own safetensors writer (safetensors.torch.save needs numpy).
+        from nn_handler._inference.store import ShardStore, write_shard
+        out_dir = os.path.join(sys.argv[1], "predictions")
+        store = ShardStore.open(out_dir, identity={"n_items": 3})
+        write_shard(out_dir, [2, 0], [{"v": torch.full((2,), 2.0)}, {"v": torch.zeros(2)}])
+        write_shard(out_dir, [1], [{"v": torch.ones(2)}])
+        assert store.finish(3).stack()["v"][:, 0].tolist() == [0.0, 1.0, 2.0]
+        print("ok prediction shards written and read")
 ''')
 
 
@@ -126,7 +135,8 @@ def test_hot_paths_work_without_numpy_and_matplotlib(tmp_path):
 
     expected = ["ok executor small and large tensors both ways", "ok on_rank broadcast_result on 2 gloo ranks",
                 "ok on_rank failure, checkpoints, resume and predict on 2 gloo ranks",
-                "ok checkpoint save and load with RNG state", "ok plot_history names the plot extra"]
+                "ok checkpoint save and load with RNG state", "ok plot_history names the plot extra",
+                "ok prediction shards written and read"]
     if importlib.util.find_spec("numpy") is not None:  # a checkpoint that carries numpy's RNG state
         with NNHandler(torch.nn.Linear(2, 1), torch.optim.SGD, torch.nn.MSELoss(), optimizer_kwargs={"lr": 0.1},
                        seed=0) as h:

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from nn_handler.errors import ConfigurationError, ParallelExecutionError
 from nn_handler.utils.parallel import get_data_parallel_info, parallel_predict, validate_data_parallel_setup
@@ -105,7 +105,7 @@ def test_dataloader_input_uses_its_collate_fn_and_loader_threads():
 
 class _ThreadNames(Dataset):
     def __len__(self):
-        return 9
+        return 200
 
     def __getitem__(self, i):
         import threading
@@ -113,18 +113,12 @@ class _ThreadNames(Dataset):
         return i, threading.current_thread().name
 
 
-def test_loader_threads_load_ahead_in_order():
-    from concurrent.futures import ThreadPoolExecutor
+def test_loader_threads_read_ahead_in_the_caller_in_order():
+    from nn_handler._inference.sources import Source
 
-    from nn_handler.utils._models.predict import _batches
-
-    with ThreadPoolExecutor(2, thread_name_prefix="nn_handler-load") as pool:
-        state = {"data": _ThreadNames(), "batch_size": 4, "collate_fn": list, "loader_pool": pool}
-        batches = list(_batches(state, 1, 9))
-    assert [[i for i, _ in b] for b in batches] == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert all(name.startswith("nn_handler-load") for b in batches for _, name in b)
-    state = {"data": torch.arange(10), "batch_size": 4, "collate_fn": None}
-    assert [b.tolist() for b in _batches(state, 2, 9)] == [[2, 3, 4, 5], [6, 7, 8]]
+    items = list(Source.of(_ThreadNames()).items(done=lambda i: i % 3 == 0, num_workers=2))
+    assert [i for i, _ in items] == [i for i in range(200) if i % 3] == [s[0] for _, s in items]
+    assert all(name.startswith("nn_handler-load") for _, (_, name) in items)
 
 
 def test_autocast_on_cpu_workers():
@@ -173,19 +167,18 @@ def test_without_cuda_it_runs_on_one_cpu_worker_with_a_warning(monkeypatch):
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
-class _Stream(IterableDataset):
-    def __iter__(self):
-        return iter([torch.ones(1)])
-
-
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"batch_size": 0}, ConfigurationError, "batch_size must be an int >= 1, got 0"),
-    ({"batch_size": True}, ConfigurationError, "batch_size must be an int >= 1, got True"),
-    ({"batch_size": "8"}, ConfigurationError, "batch_size must be an int >= 1, got '8'"),
+    ({"batch_size": 0}, ConfigurationError, "batch_size must be an int >= 1 or None, got 0"),
+    ({"batch_size": True}, ConfigurationError, "batch_size must be an int >= 1 or None, got True"),
+    ({"batch_size": "8"}, ConfigurationError, "batch_size must be an int >= 1 or None, got '8'"),
     ({"num_workers": -1}, ConfigurationError, "num_workers must be an int >= 0, got -1"),
     ({"autocast": "fp16"}, ConfigurationError, "autocast must be True, False or a torch.dtype, got 'fp16'"),
     ({"model_or_factory": 3}, TypeError, "model_or_factory must be an nn.Module or a callable"),
-    ({"data": _Stream()}, ConfigurationError, "an IterableDataset has none"),
+    ({"batch_size": None}, ConfigurationError, "needs batch_size=N, or max_tokens=N with length=fn"),
+    ({"max_tokens": 8}, ConfigurationError, "max_tokens needs length=fn"),
+    ({"on_error": "skip"}, ConfigurationError, "on_error='skip' needs output_dir="),
+    ({"on_error": "ignore"}, ConfigurationError, "on_error must be one of"),
+    ({"length": 3}, ConfigurationError, "length must be a function or None, got 3"),
     ({"data": torch.empty(0, 3)}, ConfigurationError, "data is empty: there is nothing to predict"),
     ({"data": []}, ConfigurationError, "data is empty"),
     ({"data": torch.tensor(1.0)}, ConfigurationError, "0-dimensional tensor"),
@@ -198,19 +191,6 @@ def test_bad_arguments_fail_before_any_worker_starts(kwargs, error, message):
         parallel_predict(args.pop("model_or_factory"), args.pop("data"), **args)
 
 
-class _Locked(Dataset):
-    def __init__(self):
-        import threading
-
-        self.lock = threading.Lock()
-
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, i):
-        return torch.ones(1)
-
-
 class _LockedModel(nn.Identity):
     def __init__(self):
         super().__init__()
@@ -219,9 +199,7 @@ class _LockedModel(nn.Identity):
         self.lock = threading.Lock()
 
 
-def test_unpicklable_data_or_model_is_named_before_any_worker_starts():
-    with pytest.raises(TypeError, match=r"data \(_Locked\) cannot be pickled to send to the workers .*lazily"):
-        parallel_predict(nn.Identity(), _Locked(), batch_size=1, device_ids=CPUS)
+def test_an_unpicklable_model_is_named_before_any_worker_starts():
     with pytest.raises(TypeError, match=r"the model cannot be pickled .*pass a factory"):
         parallel_predict(_LockedModel(), torch.ones(2, 1), batch_size=1, device_ids=CPUS)
 

@@ -139,7 +139,7 @@ SITES = [
     (_decorator(keep_alive=-1), "keep_alive must be a number of seconds >= 0, got -1"),
     (_decorator(num_gpus=0), "num_gpus must be an int >= 1 or None, got 0"),
     (_launch(0), "nprocs must be an int >= 1, got 0"),
-    (_predict(batch_size=0), "batch_size must be an int >= 1, got 0"),
+    (_predict(batch_size=0), "batch_size must be an int >= 1 or None, got 0"),
     (_predict(batch_size=2, num_workers=-1), "num_workers must be an int >= 0, got -1"),
     (_ddp_timeout(0), "timeout must be a timedelta or a number of seconds > 0, got 0"),
     (_parallel("get_recommended_batch_size", 0), "base_batch_size must be an int >= 1, got 0"),

@@ -11,7 +11,7 @@ import torch
 from nn_handler._training import batches as training_batches
 from nn_handler._tree import apply, combine, detach_cpu, tensors, to_device
 from nn_handler.utils._models import placement as _placement
-from nn_handler.utils._models import predict as _predict
+from nn_handler._inference.engine import assemble
 
 Pair = namedtuple("Pair", "inputs targets")
 
@@ -130,11 +130,11 @@ def test_placement_hook_moves_defaultdict_arguments():
 
 def test_predict_concat_keeps_the_output_type():
     outs = [OrderedDict(y=torch.ones(2)), OrderedDict(y=torch.zeros(1))]
-    merged = _predict._concat(outs)
+    merged = assemble([([0, 1], outs[0], False), ([2], outs[1], False)], -100)
     assert type(merged) is OrderedDict and merged["y"].tolist() == [1.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize("scalar_batches", [[torch.tensor(1.0), torch.tensor(2.0)]])
 def test_predict_concat_of_scalars_and_other_leaves(scalar_batches):
-    assert _predict._concat(scalar_batches).tolist() == [1.0, 2.0]
-    assert _predict._concat(["a", "b"]) == ["a", "b"]
+    assert assemble([([0], scalar_batches[0], False), ([1], scalar_batches[1], False)], -100).tolist() == [1.0, 2.0]
+    assert assemble([([0], "a", False), ([1], "b", False)], -100) == ["a", "b"]

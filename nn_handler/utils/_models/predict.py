@@ -1,127 +1,31 @@
-"""Data-parallel inference over every device through :class:`~nn_handler.ParallelExecutor`.
+"""Data-parallel inference over every device: the public face of :mod:`nn_handler._inference`.
 
-How a call flows::
-
-    caller                                   worker i (one per device)
-    ------                                   -------------------------
-    ParallelExecutor(initializer=_start_worker, initargs=(token, model, data, ...))
-                                      ---->  build or unpickle the model once, move it to
-                                             the device, keep it with the data in _WORKERS[token]
-    ex.map(_run_task, [batch ranges])  ---->  for each range it is sent: load the batches
-                                             (num_workers threads load ahead), forward,
-                                             outputs to the CPU
-    concatenate in input order        <----  per-range outputs
-
-Only batch index ranges travel per task; the model and the data travel once
-per worker. ``_start_worker`` and ``_run_task`` live in this importable module,
-so they are pickled by reference and ``_WORKERS`` is this module's dict in the
-worker. Public names are re-exported by :mod:`nn_handler.utils.parallel`.
+``parallel_predict`` checks its arguments and hands the model and the input to the inference engine
+(:mod:`nn_handler._inference.engine`): batches go out to a :class:`~nn_handler.ParallelExecutor`'s workers, the
+outputs come back in input order or are written to a predictions directory. Public names are re-exported by
+:mod:`nn_handler.utils.parallel`.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import itertools
-import math
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+import os
 from typing import Any, Callable, Sequence
 
-import cloudpickle
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader
 
-from ..._checks import check_int
-from ..._tree import combine, detach_cpu, to_device
+from ..._checks import check_bool, check_choice, check_int
+from ..._inference import engine
+from ..._inference.sources import Source
 from ...errors import ConfigurationError
-from .._workers.executor import ParallelExecutor
 from .placement import DEVICE_MAP_ATTR
 from .wrap import unwrap_parallel_model
 from .._devices import cuda_count, split_device_ids
 
 __all__ = ["parallel_predict", "get_data_parallel_info", "validate_data_parallel_setup"]
-
-# Per-worker state, keyed by the call's token: set by _start_worker in the
-# worker process; empty in the caller.
-_WORKERS: dict[str, dict[str, Any]] = {}
-
-# With loader threads, a task is several batches so that the threads have
-# batches to load ahead; about this many tasks per device still keeps the
-# devices evenly busy.
-_TASKS_PER_DEVICE = 4
-
-
-def _start_worker(token: str, model_or_factory, is_factory: bool, data, settings: dict, device: torch.device) -> None:
-    if is_factory:
-        wants_device = "device" in inspect.signature(model_or_factory).parameters
-        model = model_or_factory(device=device) if wants_device else model_or_factory()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
-    else:
-        model = model_or_factory
-    state = {"model": model.to(device).eval(), "data": data, "device": device, **settings}
-    if settings["num_workers"]:
-        # Threads, not processes: no second pool of processes per device to
-        # start and feed. Loading that releases the GIL (file reads, image
-        # decoding, tokenizers, torch ops) runs in parallel all the same.
-        state["loader_pool"] = ThreadPoolExecutor(settings["num_workers"], thread_name_prefix="nn_handler-load")
-    _WORKERS[token] = state
-
-
-def _call(model: nn.Module, batch):
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
-
-
-def _batches(state: dict, start: int, stop: int):
-    data, size = state["data"], state["batch_size"]
-    ranges = [(i, min(i + size, stop)) for i in range(start, stop, size)]
-    if isinstance(data, torch.Tensor):
-        yield from (data[a:b] for a, b in ranges)
-        return
-
-    def load(bounds):
-        return state["collate_fn"]([data[j] for j in range(*bounds)])
-
-    pool = state.get("loader_pool")
-    # The pool's map submits every batch of the task at once: the threads
-    # load ahead while this thread runs the model.
-    yield from (pool.map(load, ranges) if pool is not None else map(load, ranges))
-
-
-def _run_task(token: str, task: tuple[int, int], device: torch.device) -> list:
-    state = _WORKERS[token]
-    model, autocast = state["model"], state["autocast"]
-    outputs = []
-    with torch.inference_mode():
-        for batch in _batches(state, *task):
-            batch = to_device(batch, device)
-            if autocast is False:
-                out = _call(model, batch)
-            else:
-                dtype = autocast if isinstance(autocast, torch.dtype) else (
-                    torch.float16 if device.type == "cuda" else torch.bfloat16)
-                with torch.autocast(device_type=device.type, dtype=dtype):
-                    out = _call(model, batch)
-            outputs.append(detach_cpu(out))
-    return outputs
-
-
-def _concat(outputs: list):
-    """One output from the per-batch outputs: tensors concatenated, anything else one entry per batch, in order."""
-    return combine(outputs, _concat_leaves)
-
-
-def _concat_leaves(leaves: list):
-    if isinstance(leaves[0], torch.Tensor):
-        return torch.cat([o.reshape(1) if o.dim() == 0 else o for o in leaves])
-    return leaves
 
 
 def _cpu_copy(model: nn.Module) -> nn.Module:
@@ -139,46 +43,6 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _check_data(data):
-    """``(data to send, collate_fn, length)`` for a tensor, a map-style dataset, a DataLoader or a sequence."""
-    collate_fn = default_collate
-    if isinstance(data, DataLoader):
-        collate_fn, data = data.collate_fn, data.dataset
-    if isinstance(data, IterableDataset):
-        raise ConfigurationError(
-            "parallel_predict needs random access to spread batches over devices; an IterableDataset has none. "
-            "Pass a map-style Dataset, a tensor or a list"
-        )
-    if isinstance(data, torch.Tensor):
-        if data.dim() == 0:
-            raise ConfigurationError("data is a 0-dimensional tensor; parallel_predict splits data along dim 0")
-        return data.cpu(), collate_fn, data.shape[0]
-    if isinstance(data, (Dataset, Sequence)) and not isinstance(data, (str, bytes)):
-        try:
-            return data, collate_fn, len(data)
-        except TypeError:
-            pass
-    raise TypeError(
-        f"data must be a tensor, a map-style Dataset (with __len__), a DataLoader or a list of samples, "
-        f"got {type(data).__name__}"
-    )
-
-
-def _pickling_error(payload, is_factory: bool, data, original: TypeError) -> TypeError:
-    """Say whether the model (or factory) or the data is what cannot travel to the workers."""
-    what = "the model factory" if is_factory else "the model"
-    for label, obj, remedy in (
-        (what, payload, "pass a factory that builds the model in each worker" if not is_factory
-         else "define it at module level and keep unpicklable objects out of its closure"),
-        (f"data ({type(data).__name__})", data, "open files, connections and locks lazily in __getitem__"),
-    ):
-        try:
-            cloudpickle.dumps(obj)
-        except Exception as exc:
-            return TypeError(f"{label} cannot be pickled to send to the workers ({exc}); {remedy}")
-    return original
-
-
 def _check_autocast(autocast) -> bool | torch.dtype:
     if isinstance(autocast, (bool, torch.dtype)):
         return autocast
@@ -189,52 +53,84 @@ def parallel_predict(
     model_or_factory: nn.Module | Callable[..., nn.Module],
     data,
     *,
-    batch_size: int,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    length: Callable[[Any], int] | None = None,
+    collate_fn: Callable[[list], Any] | None = None,
+    output_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    on_error: str = "raise",
+    padding_value: float = -100,
     device_ids: Sequence[int | str] | None = None,
+    backend: str = "local",
     autocast: bool | torch.dtype = False,
     num_workers: int = 0,
     progress: bool = False,
 ):
-    """Run a model over a dataset on every device at once; outputs come back in input order.
+    """Run a model over a data set on every device at once; outputs in input order, in memory or on disk.
 
-    One worker process per device (a :class:`~nn_handler.ParallelExecutor`)
-    gets the model once (or builds it from the factory once) and the data
-    once; batches then go to whichever device is free, so a faster device
-    simply does more of them. Runs under ``torch.inference_mode`` with the
-    model in ``eval()`` mode. Without CUDA it runs on CPU workers.
+    One worker per device (a :class:`~nn_handler.ParallelExecutor`) builds the model once (or gets it once);
+    the input is read here as it goes, formed into batches, and only the batches travel, at most
+    :data:`~nn_handler._inference.engine.IN_FLIGHT_PER_DEVICE` per device at a time, to whichever device is
+    free. Runs under ``torch.inference_mode`` with the model in ``eval()`` mode. Without CUDA it runs on CPU
+    workers.
 
-    A batch that is a tensor is called as ``model(batch)``, a tuple or list as
-    ``model(*batch)``, a dict as ``model(**batch)``: give it inputs only.
+    A batch that is a tensor is called as ``model(batch)``, a tuple or list as ``model(*batch)``, a dict as
+    ``model(**batch)``: give it inputs only. The model returns batched outputs (a tensor, or a tuple / dict of
+    them, each with the batch along dim 0), or a ``list`` with one output per item (per-sample tensors of their
+    own shapes).
+
+    With ``output_dir``, each finished batch's outputs are written there at once (one safetensors shard per
+    batch, see :class:`~nn_handler.Predictions`) and the call returns a :class:`~nn_handler.Predictions` that
+    reads them lazily: the caller's memory stays bounded whatever the data set's size. The same call again
+    after a crash or a kill keeps what is on disk and computes only the missing items (it says so on stderr);
+    a rerun over other data or settings is refused (``overwrite=True`` starts over).
 
     Args:
-        model_or_factory: An ``nn.Module`` (a model on a GPU is sent as a CPU
-            copy), or a picklable callable returning one, called in each worker
-            (with ``device=`` when it has that parameter); prefer a factory for
-            large models.
-        data: A tensor (split along dim 0), a map-style ``Dataset``, a
-            ``DataLoader`` (its dataset and ``collate_fn`` are used, in
-            dataset order), or a list of samples.
-        batch_size: Samples per forward pass on one device.
-        device_ids: Devices, e.g. ``[0, 1]`` or ``["cpu", "cpu"]``; all GPUs
-            by default (one CPU worker, with a ``RuntimeWarning``, without CUDA).
-        autocast: Mixed precision: ``True`` (float16 on CUDA, bfloat16 on
-            CPU) or a dtype.
-        num_workers: Threads per device that load and collate samples ahead
-            of the model. Threads, because the executor's workers cannot start
-            processes; they help where loading releases the GIL (file reads,
-            image decoding, tokenizers), not for pure-Python preprocessing.
-        progress: Draw a tqdm bar (tasks of a few batches each, per second,
-            and an ETA) on a terminal.
+        model_or_factory: An ``nn.Module`` (a model on a GPU is sent as a CPU copy), or a picklable callable
+            returning one, called in each worker (with ``device=`` when it has that parameter); prefer a factory
+            for large models.
+        data: A tensor (split along dim 0), a map-style ``Dataset``, a ``DataLoader`` (its dataset and
+            ``collate_fn``, in dataset order), a list of samples, or any iterable of samples (a generator, an
+            ``IterableDataset``: read once, as it goes, no ``len`` needed).
+        batch_size: Samples per batch (with a ``DataLoader``, its own by default). With ``max_tokens``: at most
+            this many.
+        max_tokens: Token budget per batch instead: items are sorted by ``length`` within windows of
+            :data:`~nn_handler._inference.batching.SORT_WINDOW` items and cut into batches whose longest item
+            times their item count is at most ``max_tokens``; an item longer than that is a batch of its own.
+        length: ``length(sample) -> int``, an item's length (``len`` for sequences). Needed by ``max_tokens``;
+            with ``output_dir``, each item's per-position outputs (tensors of two dims or more after the batch's)
+            are stored cut to its own length along the first of them, where the batch padded them to its longest.
+        collate_fn: Builds a batch from a list of samples, as a ``DataLoader``'s does; the ``DataLoader``'s own,
+            else ``default_collate``, by default.
+        output_dir: Write the outputs there as they come (and resume from what is there); ``None``: return them.
+        overwrite: Remove the outputs already in ``output_dir`` and start over.
+        on_error: ``"raise"``: a batch whose forward raises fails the call, with its item range and the worker's
+            traceback, once every other batch in flight is done (and written). ``"skip"`` (with ``output_dir``):
+            record its items in ``Predictions.failed`` and go on; a rerun tries them again. A batch of several
+            items that runs out of device memory is first retried once as two halves.
+        padding_value: In memory, outputs whose shapes differ between batches (per-token outputs of batches
+            padded each to their longest) are padded to the longest with it.
+        device_ids: Devices, e.g. ``[0, 1]`` or ``["cpu", "cpu"]``; all GPUs by default (one CPU worker, with a
+            ``RuntimeWarning``, without CUDA). With ``backend="ray"``: ``"cuda"`` or ``"cpu"`` per actor.
+        backend: ``"local"`` (worker processes here) or ``"ray"`` (Ray actors anywhere in the cluster; give
+            ``output_dir`` on storage every node sees). A batch whose worker dies is run again elsewhere.
+        autocast: Mixed precision: ``True`` (float16 on CUDA, bfloat16 on CPU) or a dtype.
+        num_workers: Threads that read samples of a map-style data set ahead, here in the caller (they help where
+            reading releases the GIL: files, image decoding, tokenizers).
+        progress: Show progress in items (a bar on a terminal, a line every few seconds in a log: items done,
+            items/s, time left).
 
     Returns:
-        The outputs of all batches joined along dim 0: a tensor, or a
-        tuple/list/dict of tensors when the model returns one; other outputs
-        come back as a list with one entry per batch.
+        Without ``output_dir``: the outputs of all batches joined along dim 0 in input order (a tensor, or a
+        tuple / list / dict of tensors), padded with ``padding_value`` where they differ; a list of per-item
+        outputs when the model returns one; other outputs as a list with one entry per batch. With
+        ``output_dir``: a :class:`~nn_handler.Predictions`.
 
     Raises:
-        ConfigurationError: Bad ``batch_size``/``num_workers``/``autocast``,
-            empty data, or an ``IterableDataset``.
-        ParallelExecutionError: The model failed on a worker (with its remote traceback).
+        ConfigurationError: Bad arguments, empty data, or an ``output_dir`` holding another run's outputs.
+        ParallelExecutionError: The model failed on a worker (with its remote traceback and, in a note, the
+            batch's items).
         DeviceError: A device id that does not exist.
 
     Example:
@@ -246,9 +142,36 @@ def parallel_predict(
         >>> torch.allclose(out, model(x))
         True
     """
-    check_int("batch_size", batch_size, minimum=1)
+    check_int("batch_size", batch_size, minimum=1, allow_none=True)
+    check_int("max_tokens", max_tokens, minimum=1, allow_none=True)
     check_int("num_workers", num_workers, minimum=0)
+    check_choice("on_error", on_error, ("raise", "skip"))
+    check_choice("backend", backend, ("local", "ray"))
+    check_bool("overwrite", overwrite)
+    check_bool("progress", progress)
     autocast = _check_autocast(autocast)
+    for name, fn in (("length", length), ("collate_fn", collate_fn)):
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(f"{name} must be a function or None, got {fn!r}")
+    if max_tokens is not None and length is None:
+        raise ConfigurationError("max_tokens needs length=fn(sample) -> int, an item's length (len for sequences)")
+    if on_error == "skip" and output_dir is None:
+        raise ConfigurationError("on_error='skip' needs output_dir=: the failed items are recorded in its manifest "
+                                 "(Predictions.failed)")
+    payload, is_factory = _model_payload(model_or_factory)
+    if batch_size is None and max_tokens is None:
+        batch_size = data.batch_size if isinstance(data, DataLoader) else None
+        if batch_size is None:
+            raise ConfigurationError("parallel_predict needs batch_size=N, or max_tokens=N with length=fn")
+    source = Source.of(data)
+    return engine.predict(payload, is_factory, source, batch_size=batch_size, max_tokens=max_tokens, length=length,
+                          collate_fn=collate_fn, device_ids=device_ids, autocast=autocast, num_workers=num_workers,
+                          output_dir=output_dir, overwrite=overwrite, on_error=on_error, padding_value=padding_value,
+                          backend=backend, progress=progress)
+
+
+def _model_payload(model_or_factory) -> tuple[Any, bool]:
+    """What travels to the workers: a CPU copy of the model, or the factory."""
     if isinstance(model_or_factory, nn.Module):
         model = unwrap_parallel_model(model_or_factory)
         if hasattr(model, DEVICE_MAP_ATTR):
@@ -263,26 +186,7 @@ def parallel_predict(
         raise TypeError(
             f"model_or_factory must be an nn.Module or a callable that returns one, got {type(model_or_factory).__name__}"
         )
-    data, collate_fn, length = _check_data(data)
-    if length == 0:
-        raise ConfigurationError("data is empty: there is nothing to predict")
-
-    token = uuid.uuid4().hex
-    settings = {"batch_size": batch_size, "num_workers": num_workers, "collate_fn": collate_fn, "autocast": autocast}
-    try:
-        executor = ParallelExecutor(device_ids=device_ids, initializer=_start_worker,
-                                    initargs=(token, payload, is_factory, data, settings))
-    except TypeError as exc:
-        raise _pickling_error(payload, is_factory, data, exc) from exc
-    with executor:
-        n_batches = math.ceil(length / batch_size)
-        per_task = 1 if num_workers == 0 else max(1, math.ceil(n_batches / (_TASKS_PER_DEVICE * executor.num_workers)))
-        step = per_task * batch_size
-        tasks = [(start, min(start + step, length)) for start in range(0, length, step)]
-        run_task = functools.partial(_run_task, token)
-        run_task.__name__ = "parallel_predict"  # what its progress line and its errors call it
-        per_task_outputs = list(executor.map(run_task, tasks, progress=progress))
-    return _concat([out for outputs in per_task_outputs for out in outputs])
+    return payload, is_factory
 
 
 # --- the seed's introspection --------------------------------------------------------------------
