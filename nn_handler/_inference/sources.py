@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import ctypes
 import hashlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
@@ -149,7 +150,8 @@ def _feed(digest, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         digest.update(f"tensor{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # Its raw bytes through ctypes: Tensor.numpy() needs numpy, which is not a dependency.
+        digest.update(ctypes.string_at(t.data_ptr(), t.nbytes) if t.numel() else b"")
     elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
         digest.update(repr(obj).encode())
     elif isinstance(obj, collections.abc.Mapping):
