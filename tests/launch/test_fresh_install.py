@@ -126,6 +126,8 @@ SCRIPT = textwrap.dedent('''
         write_shard(out_dir, [2, 0], [{"v": torch.full((2,), 2.0)}, {"v": torch.zeros(2)}])
         write_shard(out_dir, [1], [{"v": torch.ones(2)}])
         assert store.finish(3).stack()["v"][:, 0].tolist() == [0.0, 1.0, 2.0]
+        from nn_handler._inference.sources import fingerprint  # a rerun's check of its data reads tensor bytes
+        assert fingerprint([torch.arange(4)]) != fingerprint([torch.arange(1, 5)])
         print("ok prediction shards written and read")
 ''')
 
