@@ -8,11 +8,20 @@ scaled under fp16 and divided by ``grad_accum_steps``; the optimizer stepped
 only at the end of an accumulation group, after unscaling, clipping and the
 optimizer-step hooks. The built-in step (:mod:`.step`) is such a function.
 
+Under fp16 the scaler is updated after every optimizer step (``scaler.step``
+then ``scaler.update``, as Lightning, Fabric and Accelerate do), so every
+backward is scaled and unscaled by the same scale however many times an
+optimizer steps in a training step (a critic's inner loop), and a skipped
+step's back-off reaches the next backward.
+
+An optimizer stepped by hand (``optimizer.step()``) while the step function
+runs is refused at once: off a group's last micro-batch it would step on
+this rank's own gradients, and DDP's ranks would train apart.
+
 What the context does not do, and the loop around it does: zero every
 optimizer's gradients at the start of an accumulation group, pause the
-models' gradient synchronisation off the group's last micro-batch, update
-the fp16 scaler once per training step (after every optimizer that stepped,
-as torch's recipe for several optimizers asks) and count the step.
+models' gradient synchronisation off the group's last micro-batch, watch for
+optimizers stepped by hand while the step function runs, and count the step.
 
 Public as :class:`nn_handler.StepContext`; the handler builds it.
 """
@@ -29,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils._stall import watching
-from .precision import Precision
+from .precision import Precision, update_scale
 
 if TYPE_CHECKING:
     from .schedule import OptimizerSteps
@@ -104,10 +113,13 @@ class StepContext:
         self._ddp = any(isinstance(m, DistributedDataParallel) for m in self.models.values())
         # Set by the loop for each micro-batch: its index in the epoch (for a
         # non-finite loss), the optimizers asked to step (to step them when an
-        # unsized loader ends inside a group), whether the fp16 scaler stepped.
+        # unsized loader ends inside a group), whether the step function runs.
         self._batch_index = 0
         self._asked: list[str] = []
-        self._scaler_stepped: set[str] = set()  # the optimizers the fp16 scaler stepped since its update()
+        self._in_step_fn = False
+        self._stepping = False  # this context's own optimizer step: not one by hand
+        # Every optimizer's parameters: under fp16 the gradients still accumulating when the scale changes follow it.
+        self._params = [p for o in self.optimizers.values() for g in o.param_groups for p in g["params"]]
         self._retained = False  # a backward of this micro-batch kept its graph (retain_graph=True)
         # The real samples of a batch that ends in DistributedSampler padding (else None): the built-in
         # step's loss and metrics for the History cover those rows only.
@@ -168,10 +180,10 @@ class StepContext:
         In that order: unscale its gradients (fp16), clip its trainable
         parameters' gradients (``clip_grad_norm``), ``on_before_optimizer_step``,
         the optimizer's step (the fp16 scaler's, which skips a step with
-        inf/NaN gradients), zero its gradients, ``on_optimizer_step``, its
-        per-step scheduler. Elsewhere in a group it does nothing: the
-        gradients accumulate. With several optimizers each hook runs once per
-        optimizer, with the same step number.
+        inf/NaN gradients, then the scaler's update), zero its gradients,
+        ``on_optimizer_step``, its per-step scheduler. Elsewhere in a group it
+        does nothing: the gradients accumulate. With several optimizers each
+        hook runs once per optimizer, with the same step number.
 
         Raises:
             ConfigurationError: ``name`` is not one of :attr:`optimizers` (or left out with several).
@@ -196,9 +208,6 @@ class StepContext:
     def _take_step(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step of :meth:`step`, unconditionally (the loop's, for a group an unsized loader ended)."""
         n = self.global_step + 1
-        if name in self._scaler_stepped:  # stepped again in one training step (a critic's inner loop)
-            self._scaler.update()  # the scaler's state for this optimizer starts anew
-            self._scaler_stepped.clear()
         if self._unscale:
             self._scaler.unscale_(optimizer)  # clip (and show the hooks) the true gradients, not the scaled ones
         if self._clip is not None:
@@ -208,14 +217,29 @@ class StepContext:
         hooks = self._hooks
         if hooks is not None:
             hooks.before_step(n)
-        if self._scaler is not None:
-            self._scaler.step(optimizer)  # skips the update on inf/NaN gradients
-            self._scaler_stepped.add(name)
-        else:
-            optimizer.step()
+        self._stepping = True
+        try:
+            if self._scaler is not None:
+                self._scaler.step(optimizer)  # skips the update on inf/NaN gradients
+            else:
+                optimizer.step()
+        finally:
+            self._stepping = False
         optimizer.zero_grad(set_to_none=True)
+        if self._scaler is not None:
+            update_scale(self._scaler, [p.grad for p in self._params if p.grad is not None])
         if hooks is not None:
             hooks.after_step(name, n)
+
+    def _refuse_step_by_hand(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer's step pre-hook (the loop's, while a training step runs): only :meth:`step` steps."""
+        if self._in_step_fn and not self._stepping:
+            name = next((n for n, o in self.optimizers.items() if o is optimizer), "?")
+            raise ConfigurationError(
+                f"optimizer {name!r} was stepped by hand (optimizer.step()) in the training step: call "
+                f"ctx.backward(loss) and ctx.step({name!r}) instead. They divide the loss by grad_accum_steps, "
+                f"scale it under fp16 and step at the end of an accumulation group, once DDP averaged the "
+                f"gradients; a step by hand elsewhere trains each rank on its own gradients, and the ranks diverge")
 
     def _optimizer(self, name: str | None, what: str) -> torch.optim.Optimizer:
         if name is None:

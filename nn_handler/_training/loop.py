@@ -275,7 +275,7 @@ class Loop:
         stop = None
         try:
             # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
-            with watch_collectives():
+            with watch_collectives(), steps.refusing_steps_by_hand():
                 for i, batch in enumerate(batches, start=first):
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:

@@ -9,10 +9,9 @@ value, so it stays per epoch.
 
 Around one optimizer step (:meth:`~.context.StepContext.step`), :class:`OptimizerSteps` runs::
 
-    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step, zero its gradients
-    -> global_step = n -> on_optimizer_step(handler, n) -> its scheduler's step ("step" interval)
-
-and once the training step is over, the fp16 scaler's ``update()``.
+    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step (fp16: the scaler's
+    step, then its update()), zero its gradients -> global_step = n -> on_optimizer_step(handler, n)
+    -> its scheduler's step ("step" interval)
 
 A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
 ``global_step`` grows and a per-step scheduler steps, as Lightning does (the

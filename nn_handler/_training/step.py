@@ -11,8 +11,9 @@ validation, under ``torch.no_grad()``.
 :class:`MicroBatches` is the loop's side of a step function: per micro-batch
 it zeroes the gradients at the start of an accumulation group, pauses the
 models' gradient synchronisation off the group's end, calls the step, checks
-what it returned, and at the group's end updates the fp16 scaler once and
-counts the training step.
+what it returned, and at the group's end counts the training step. While the
+step function runs, an optimizer stepped by hand is refused
+(:meth:`MicroBatches.refusing_steps_by_hand`).
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -20,7 +21,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -212,29 +213,46 @@ class MicroBatches:
         ctx._batch_index, ctx.is_last_micro_batch, ctx.global_step = index, ends_group, self.state.global_step
         ctx._asked.clear()
         ctx._retained = False
-        if pause_sync and not ends_group and self._pausable:
-            with contextlib.ExitStack() as paused:
-                for model in self._pausable:
-                    paused.enter_context(gradient_sync_paused(model))
+        ctx._in_step_fn = True
+        try:
+            if pause_sync and not ends_group and self._pausable:
+                with contextlib.ExitStack() as paused:
+                    for model in self._pausable:
+                        paused.enter_context(gradient_sync_paused(model))
+                    result = self.fn(ctx, batch)
+            else:
                 result = self.fn(ctx, batch)
-        else:
-            result = self.fn(ctx, batch)
+        finally:
+            ctx._in_step_fn = False
         if ends_group:
             self.end_group()
         loss, values = self.values.read(result)
         return loss, loss if ctx._counted_loss is None else ctx._counted_loss, values
 
+    @contextlib.contextmanager
+    def refusing_steps_by_hand(self) -> Iterator["MicroBatches"]:
+        """Within the block, an optimizer stepped by hand while the step function runs raises, on every rank.
+
+        torch's optimizer step pre-hooks, one per optimizer for the epoch: a
+        flag read per optimizer step, nothing per micro-batch. Outside the
+        step function (a callback, after ``train()``) the optimizers are the
+        user's own.
+        """
+        handles = [opt.register_step_pre_hook(self.ctx._refuse_step_by_hand) for opt in self.ctx.optimizers.values()]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def end_group(self, step_asked: bool = False) -> int:
         """Close the accumulation group: its optimizer steps (``step_asked``: those the last micro-batch asked
-        for, when an unsized loader ended inside the group), one fp16 scaler update, the training step counted."""
+        for, when an unsized loader ended inside the group), the training step counted."""
         ctx = self.ctx
         if step_asked:
             ctx.global_step = self.state.global_step
             for name in dict.fromkeys(ctx._asked):
                 ctx._take_step(name, ctx.optimizers[name])
-        if ctx._scaler_stepped:
-            ctx._scaler.update()  # once per training step, after every optimizer that stepped
-            ctx._scaler_stepped.clear()
         self.state.global_step = ctx.global_step + 1
         self._starts_group = True
         return self.state.global_step

@@ -405,6 +405,78 @@ def test_an_optimizer_stepped_twice_in_one_step_under_fp16():
     assert torch.isfinite(gan.flat(handler.models["G"], handler.models["D"])).all()
 
 
+def _critics_then_generator(G, D, real, z, backward, step, autocast, n_critic, poisoned):
+    """A GAN step with ``n_critic`` critic steps, written once for the handler and for the hand loop.
+
+    ``poisoned(k)`` (``k``: the critic's step, or ``"G"``) makes that backward's gradients infinite (a hook on its
+    loss; the loss itself stays finite), so that the fp16 scaler skips that optimizer step and backs off.
+    """
+    ones = torch.ones(real.size(0), 1)
+    for k in range(n_critic):
+        with autocast():
+            loss_d = gan._bce(D(real), ones) + gan._bce(D(G(z).detach()), torch.zeros_like(ones))
+        if poisoned(k):
+            loss_d.register_hook(lambda grad: grad * float("inf"))
+        backward(loss_d)
+        step("D")
+    with autocast():
+        loss_g = gan._bce(D(G(z)), ones)
+    if poisoned("G"):
+        loss_g.register_hook(lambda grad: grad * float("inf"))
+    backward(loss_g)
+    step("G")
+    return {"loss": loss_d + loss_g, "g": loss_g}
+
+
+# Which backward's gradients are infinite, by the training step (from 0) of 6: a critic's step, G's, or both.
+_POISON = {1: {0}, 2: {"G"}, 3: {0, "G"}, 4: {1, 2}}
+
+
+@pytest.mark.parametrize("n_critic, accum", [(1, 1), (3, 1), (1, 2)])
+def test_fp16_updates_the_scale_after_every_optimizer_step_as_the_hand_written_loop(n_critic, accum):
+    epochs, n = 1, 48 * accum  # 6 training steps
+
+    def step(ctx, batch):
+        poisoned = _POISON.get(ctx.global_step, set()).__contains__ if ctx.is_last_micro_batch else lambda k: False
+        return _critics_then_generator(ctx.models["G"], ctx.models["D"], *batch, ctx.backward, ctx.step,
+                                       ctx.autocast, n_critic, poisoned)
+
+    handler = gan.make_handler("fp16", n=n, step=step, grad_accum_steps=accum)
+    handler.train(epochs, progress=False)
+
+    # The hand-written loop: torch's recipe, scaler.step(opt) then scaler.update() after every optimizer step.
+    G, D = gan.make_models()
+    opts = gan.make_optimizers(G, D)
+    scaler = torch.amp.GradScaler("cpu")
+    real_all, z_all = gan.make_data(n)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+
+    def hand_step(name):
+        if not last:
+            return
+        waiting = [p for m in (G, D) for p in m.parameters() if p.grad is not None]
+        scaler.step(opts[name])
+        opts[name].zero_grad(set_to_none=True)
+        before = scaler.get_scale()
+        scaler.update()
+        for p in waiting:  # with accumulation: the other optimizer's gradients, made at the old scale, follow it
+            if p.grad is not None:
+                p.grad *= scaler.get_scale() / before
+
+    for epoch in range(epochs):
+        for i, start in enumerate(range(0, n, 8)):
+            if i % accum == 0:
+                for opt in opts.values():
+                    opt.zero_grad(set_to_none=True)
+            last = (i + 1) % accum == 0
+            poisoned = _POISON.get(epoch * 6 + i // accum, set()).__contains__ if last else lambda k: False
+            _critics_then_generator(G, D, real_all[start:start + 8], z_all[start:start + 8],
+                                    lambda loss: scaler.scale(loss / accum if accum > 1 else loss).backward(),
+                                    hand_step, autocast, n_critic, poisoned)
+    assert handler.scaler.get_scale() == scaler.get_scale() <= 2.0 ** 16 / 16  # every skipped step backed off
+    torch.testing.assert_close(gan.flat(handler.models["G"], handler.models["D"]), gan.flat(G, D), **TOL)
+
+
 def test_a_refused_setting_leaves_the_handler_as_it_was():
     model = nn.Linear(3, 1)
     handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1})
@@ -434,3 +506,25 @@ def test_an_unsized_loader_ending_inside_a_group_steps_what_its_last_micro_batch
     handler.train(1, progress=False)
     assert handler.global_step == 3
     assert [c for c in hooks.calls if c[0] == "after"] == [("after", n, n) for n in (1, 1, 2, 2, 3, 3)]
+
+
+# ----------------------------------------------------------------------------- an optimizer stepped by hand
+def _plain_pytorch(ctx, batch):
+    """What a plain-PyTorch hand types first: its own backward and optimizer step."""
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    loss.backward()
+    ctx.optimizers["D"].step()
+    return loss
+
+
+def test_an_optimizer_stepped_by_hand_in_the_step_is_refused_at_its_first_occurrence():
+    handler = gan.make_handler(step=_plain_pytorch, grad_accum_steps=2)
+    before = gan.flat(handler.models["D"])
+    with pytest.raises(ConfigurationError, match=r"optimizer 'D' was stepped by hand \(optimizer.step\(\)\) in the "
+                                                 r"training step: call ctx.backward\(loss\) and ctx.step\('D'\)"):
+        handler.train(1, progress=False)
+    # Refused before it stepped, on the first (non-final) micro-batch, where DDP ranks would have diverged.
+    assert handler.global_step == 0 and torch.equal(gan.flat(handler.models["D"]), before)
+    handler.optimizers["D"].step()  # outside a training step it is the user's own business
+    assert not any(opt._optimizer_step_pre_hooks for opt in handler.optimizers.values())  # nothing left behind
