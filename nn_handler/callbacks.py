@@ -136,14 +136,19 @@ class Callback:
 
         Accumulated, all-reduced under DDP (this rank's shards under FSDP),
         unscaled under fp16 and clipped (``clip_grad_norm``): what the
-        optimizer is about to apply, e.g. for a gradient-norm logger.
+        optimizer is about to apply, e.g. for a gradient-norm logger. With
+        several optimizers it runs once per optimizer: a hook written with a
+        third parameter, ``(self, handler, step, name)``, gets the
+        optimizer's name.
         """
 
     def on_optimizer_step(self, handler: TrainerView, step: int) -> None:
         """After optimizer step ``step`` (``handler.global_step == step``), before a per-step scheduler steps.
 
         The weights are updated and the LR is still the one this step used.
-        A step the fp16 scaler skipped (inf/NaN gradients) counts.
+        A step the fp16 scaler skipped (inf/NaN gradients) counts. As
+        :meth:`on_before_optimizer_step`, a hook with a third parameter
+        ``name`` gets the optimizer's name.
         """
 
     def on_validation_end(self, handler: TrainerView, epoch: int, logs: dict[str, float]) -> None:

@@ -181,9 +181,10 @@ class StepContext:
         parameters' gradients (``clip_grad_norm``), ``on_before_optimizer_step``,
         the optimizer's step (the fp16 scaler's, which skips a step with
         inf/NaN gradients, then the scaler's update), zero its gradients,
-        ``on_optimizer_step``, its per-step scheduler. Elsewhere in a group it
-        does nothing: the gradients accumulate. With several optimizers each
-        hook runs once per optimizer, with the same step number.
+        ``on_optimizer_step``. Elsewhere in a group it does nothing: the
+        gradients accumulate. With several optimizers each hook runs once per
+        optimizer, with the same step number. Its per-step scheduler steps
+        once the training step is over (once, however often it stepped).
 
         Raises:
             ConfigurationError: ``name`` is not one of :attr:`optimizers` (or left out with several).
@@ -216,7 +217,7 @@ class StepContext:
                                       if p.requires_grad], self._clip)
         hooks = self._hooks
         if hooks is not None:
-            hooks.before_step(n)
+            hooks.before_step(name, n)
         self._stepping = True
         try:
             if self._scaler is not None:

@@ -91,17 +91,23 @@ class ValidationStep:
 
 
 class StepValues:
-    """Reads what a step returned: the loss and the other values, under the keys the first call returned.
+    """Reads what a step returned: the loss, and the other values by key (a key may come with some batches only).
 
     Args:
         what: ``"training_step"`` or ``"validation_step"`` (named in errors).
-        names: The value keys when known beforehand (the built-in steps' metrics); else learned from the first call.
+        names: The value keys when known beforehand (the built-in steps' metrics, the same on every rank).
+
+    Attributes:
+        names: Every key returned so far besides ``"loss"``, in the order first seen (None before the first call).
+        fixed: The keys were known beforehand.
 
     Example:
         >>> import torch
         >>> values = StepValues("training_step")
-        >>> values.read({"loss": torch.tensor(1.0), "acc": 0.5}), values.names
-        ((tensor(1.), [0.5]), ['acc'])
+        >>> values.read({"loss": torch.tensor(1.0), "d": 0.5}), values.names
+        ((tensor(1.), {'d': 0.5}), ['d'])
+        >>> values.read({"loss": torch.tensor(2.0), "g": 1.0})[1], values.names   # a generator step's loss
+        ({'g': 1.0}, ['d', 'g'])
         >>> values.read(torch.ones(3))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -109,34 +115,32 @@ class StepValues:
     """
 
     def __init__(self, what: str, names: list[str] | None = None):
-        self.what, self.names = what, names
+        self.what, self.names, self.fixed = what, names, names is not None
+        self._known = set(names or ())
 
-    def read(self, result: Any) -> tuple[torch.Tensor, list]:
-        """``(detached loss, [value per name])`` of a step's return."""
-        if isinstance(result, torch.Tensor) and result.dim() == 0:
-            if self.names:
-                self._changed([])
+    def read(self, result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(detached loss, {key: value})`` of a step's return."""
+        if self.names is None:
             self.names = []
-            return result.detach(), []
+        if isinstance(result, torch.Tensor) and result.dim() == 0:
+            return result.detach(), {}
         if not isinstance(result, Mapping) or "loss" not in result:
             self._refuse(result)
         loss = result["loss"]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             self._refuse(loss, "'loss' of ")
-        names = [k for k in result if k != "loss"]
-        if self.names is None:
-            bad = [k for k in names if not isinstance(k, str)]
-            if bad:
-                raise ConfigurationError(f"{self.what} returned keys that are not strings ({bad!r}); "
-                                         f"History columns need names")
-            self.names = names
-        elif names != self.names and set(names) != set(self.names):
-            self._changed(names)
-        return loss.detach(), [self._scalar(name, result[name]) for name in self.names]
+        values = {name: self._scalar(name, value) for name, value in result.items() if name != "loss"}
+        if not self._known.issuperset(values):
+            self._learn([k for k in values if k not in self._known])
+        return loss.detach(), values
 
-    def _changed(self, names: list) -> None:
-        raise ConfigurationError(f"{self.what} returned {['loss', *self.names]} first and {['loss', *names]} now: "
-                                 f"return the same keys at every batch")
+    def _learn(self, names: list) -> None:
+        bad = [k for k in names if not isinstance(k, str)]
+        if bad:
+            raise ConfigurationError(f"{self.what} returned keys that are not strings ({bad!r}); "
+                                     f"History columns need names")
+        self.names.extend(names)
+        self._known.update(names)
 
     def _scalar(self, name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -247,12 +251,14 @@ class MicroBatches:
 
     def end_group(self, step_asked: bool = False) -> int:
         """Close the accumulation group: its optimizer steps (``step_asked``: those the last micro-batch asked
-        for, when an unsized loader ended inside the group), the training step counted."""
+        for, when an unsized loader ended inside the group), the per-step schedulers, the training step counted."""
         ctx = self.ctx
         if step_asked:
             ctx.global_step = self.state.global_step
             for name in dict.fromkeys(ctx._asked):
                 ctx._take_step(name, ctx.optimizers[name])
+        if ctx._hooks is not None:
+            ctx._hooks.training_step_done()  # the per-step schedulers
         self.state.global_step = ctx.global_step + 1
         self._starts_group = True
         return self.state.global_step
