@@ -87,7 +87,10 @@ class Columns:
         >>> columns = Columns()
         >>> columns.add({"d": 1.0, "g": 4.0}, 8)
         >>> columns.add({"d": 3.0}, 8)
-        >>> means("train_", [0.0, 16.0, *columns.sums(["d", "g", "x"], torch.device("cpu"))], ["d", "g", "x"])
+        >>> sums = [float(s) for s in columns.sums(["d", "g", "x"], torch.device("cpu"))]
+        >>> sums                      # (sum, samples) of each key: "x" came with no batch
+        [32.0, 16.0, 32.0, 8.0, 0.0, 0.0]
+        >>> means("train_", [0.0, 16.0, *sums], ["d", "g", "x"])
         {'train_loss': 0.0, 'train_d': 2.0, 'train_g': 4.0}
     """
 
