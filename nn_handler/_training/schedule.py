@@ -215,6 +215,7 @@ class OptimizerSteps:
         self.after = [_with_name(cb.on_optimizer_step) for cb in parts.callbacks
                       if _overrides(cb, "on_optimizer_step")]
         self._stepped: dict[str, Any] = {}  # the per-step schedulers whose optimizer stepped in this training step
+        self.warned: set = set()  # the optimizer steps that did not happen, said once per train() call
 
     def before_step(self, name: str, n: int) -> None:
         """``on_before_optimizer_step(handler, n[, name])``: the gradients are final (unscaled, clipped)."""

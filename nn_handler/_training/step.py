@@ -13,7 +13,9 @@ it zeroes the gradients at the start of an accumulation group, pauses the
 models' gradient synchronisation off the group's end, calls the step, checks
 what it returned, and at the group's end counts the training step. While the
 step function runs, an optimizer stepped by hand is refused
-(:meth:`MicroBatches.refusing_steps_by_hand`).
+(:meth:`MicroBatches.refusing_steps_by_hand`); a group in which no optimizer
+stepped, or one that asked an optimizer to step on an earlier micro-batch but
+not on the last, is said once (a warning naming the optimizer).
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -21,6 +23,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -37,6 +40,7 @@ from .schedule import OptimizerSteps
 from .sharding import can_pause_sync, gradient_sync_paused
 
 StepFn = Callable[[StepContext, Any], Any]
+log = logging.getLogger(__name__)
 
 
 class TrainingStep:
@@ -175,10 +179,12 @@ class MicroBatches:
         ctx: The context it gets (its epoch set by the loop).
         values: Reads what ``fn`` returns.
         state: The run's state (``global_step``).
+        warned: What was said once in this ``train()`` call; None: say nothing (a rank other than 0).
     """
 
-    def __init__(self, fn: StepFn, ctx: StepContext, values: StepValues, state: Any):
-        self.fn, self.ctx, self.values, self.state = fn, ctx, values, state
+    def __init__(self, fn: StepFn, ctx: StepContext, values: StepValues, state: Any, warned: set | None = None):
+        self.fn, self.ctx, self.values, self.state, self.warned = fn, ctx, values, state, warned
+        self._asked_in_group: set[str] = set()  # the optimizers asked to step on the group's earlier micro-batches
         # Built once per epoch: a group's zeroing asks each optimizer's
         # parameters whether they hold a gradient (cheaper than zero_grad).
         self._params = {name: [p for g in opt.param_groups for p in g["params"]]
@@ -194,10 +200,11 @@ class MicroBatches:
                           accumulate=config.grad_accum_steps, clip_grad_norm=config.clip_grad_norm, hooks=hooks,
                           check_each_step=check_each_step)
         ctx.epoch = epoch
+        warned = hooks.warned if parts.is_main_process else None
         if config.training_step is not None:
-            return cls(config.training_step, ctx, StepValues("training_step"), state)
+            return cls(config.training_step, ctx, StepValues("training_step"), state, warned)
         return cls(TrainingStep(parts.loss_fn, config.metrics), ctx, StepValues("the step", list(config.metrics)),
-                   state)
+                   state, warned)
 
     def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool,
             real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -230,6 +237,8 @@ class MicroBatches:
             ctx._in_step_fn = False
         if ends_group:
             self.end_group()
+        elif ctx._asked:
+            self._asked_in_group.update(ctx._asked)
         loss, values = self.values.read(result)
         return loss, loss if ctx._counted_loss is None else ctx._counted_loss, values
 
@@ -257,11 +266,33 @@ class MicroBatches:
             ctx.global_step = self.state.global_step
             for name in dict.fromkeys(ctx._asked):
                 ctx._take_step(name, ctx.optimizers[name])
+        if not ctx._asked or self._asked_in_group:
+            self._say_what_did_not_step()
         if ctx._hooks is not None:
             ctx._hooks.training_step_done()  # the per-step schedulers
         self.state.global_step = ctx.global_step + 1
         self._starts_group = True
         return self.state.global_step
+
+    def _say_what_did_not_step(self) -> None:
+        """A warning, once per ``train()``: no optimizer stepped in this group, or one asked too early did not."""
+        asked, earlier, self._asked_in_group = set(self.ctx._asked), self._asked_in_group, set()
+        if self.warned is None:
+            return
+        n, names = self.ctx.global_step + 1, list(self.ctx.optimizers)
+        if not asked and not earlier and ("none",) not in self.warned:
+            self.warned.add(("none",))
+            log.warning("training step %d called no ctx.step(): %s did not step, so the step trained nothing (its "
+                        "gradients are zeroed when the next one starts) and global_step still counted it; call "
+                        "ctx.step(name) after ctx.backward(loss) (said once)", n,
+                        ", ".join(f"optimizer {name!r}" for name in names))
+        for name in (name for name in names if name in earlier and name not in asked):
+            if ("too early", name) not in self.warned:
+                self.warned.add(("too early", name))
+                log.warning("training step %d: ctx.step(%r) was called on an earlier micro-batch of its accumulation "
+                            "group but not on the last, where an optimizer steps: optimizer %r did not step, and the "
+                            "gradients it accumulated are zeroed when the next group starts; call ctx.step(%r) on "
+                            "every micro-batch (it steps on the group's last) (said once)", n, name, name, name)
 
     def _zero_grads(self) -> None:
         for name, params in self._params.items():

@@ -575,3 +575,37 @@ def test_a_key_returned_on_some_batches_is_averaged_over_those_and_resumes_bit_i
     for key in ("epoch", "train_loss", "train_d", "train_g"):
         assert resumed.history[key] == straight.history[key], key
     torch.testing.assert_close(gan.flat(resumed.models["G"], resumed.models["D"]), gan.flat(G, D), **TOL)
+
+
+# ----------------------------------------------------------------------------- optimizer steps that never happen
+def _steps_nothing(ctx, batch):
+    loss = ctx.models["D"](batch[0]).pow(2).mean()
+    ctx.backward(loss)
+    return loss  # no ctx.step: nothing trains
+
+
+def _steps_d_too_early(ctx, batch):
+    """D asked to step on the group's first micro-batch only: dropped, since optimizers step on the last."""
+    real, z = batch
+    loss_d = ctx.models["D"](real).pow(2).mean()
+    ctx.backward(loss_d)
+    if not ctx.is_last_micro_batch:
+        ctx.step("D")
+    loss_g = ctx.models["D"](ctx.models["G"](z)).mean()
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return loss_d + loss_g
+
+
+@pytest.mark.parametrize("step, accum, said", [
+    (_steps_nothing, 1, "training step 1 called no ctx.step(): optimizer 'G', optimizer 'D' did not step, so the "
+                        "step trained nothing"),
+    (_steps_d_too_early, 2, "training step 1: ctx.step('D') was called on an earlier micro-batch of its accumulation "
+                            "group but not on the last, where an optimizer steps: optimizer 'D' did not step"),
+])
+def test_an_optimizer_step_that_never_happens_is_said_once_naming_the_optimizer(step, accum, said, caplog):
+    handler = gan.make_handler(n=32, step=step, grad_accum_steps=accum)
+    with caplog.at_level(logging.WARNING, logger="nn_handler"):
+        handler.train(2, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "ctx.step" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(said), warnings
