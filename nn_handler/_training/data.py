@@ -52,7 +52,9 @@ class IndexedTensors(TensorDataset):
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         index = torch.as_tensor(indices, dtype=torch.long)
-        return [t[index] for t in self.tensors]  # a list, as default_collate makes of a TensorDataset's tuples
+        # index_select: a few times quicker than t[index] (advanced indexing) for the same rows. A list, as
+        # default_collate makes of a TensorDataset's tuples.
+        return [t.index_select(0, index) for t in self.tensors]
 
 
 def gathered(batch: Any) -> Any:
