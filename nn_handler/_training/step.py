@@ -207,7 +207,7 @@ class MicroBatches:
                    state, warned)
 
     def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool,
-            real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
+            real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The step on micro-batch ``batch`` (number ``index`` of the epoch): ``(loss, counted loss, values)``,
         detached: the loss trained on, and the one the History counts.
 
