@@ -16,7 +16,10 @@ step's back-off reaches the next backward.
 
 An optimizer stepped by hand (``optimizer.step()``) while the step function
 runs is refused at once: off a group's last micro-batch it would step on
-this rank's own gradients, and DDP's ranks would train apart.
+this rank's own gradients, and DDP's ranks would train apart. So is a
+:meth:`step` in a group without any :meth:`backward` under fp16 or
+accumulation (a plain ``loss.backward()``'s gradients, neither scaled nor
+divided).
 
 What the context does not do, and the loop around it does: zero every
 optimizer's gradients at the start of an accumulation group, pause the
@@ -121,6 +124,7 @@ class StepContext:
         # Every optimizer's parameters: under fp16 the gradients still accumulating when the scale changes follow it.
         self._params = [p for o in self.optimizers.values() for g in o.param_groups for p in g["params"]]
         self._retained = False  # a backward of this micro-batch kept its graph (retain_graph=True)
+        self._backward_in_group = False  # ctx.backward ran in this accumulation group (set by the loop at its start)
         # The real samples of a batch that ends in DistributedSampler padding (else None): the built-in
         # step's loss and metrics for the History cover those rows only.
         self._real_rows: int | None = None
@@ -164,6 +168,7 @@ class StepContext:
                 "the same forward is not averaged over the ranks; add the losses and call ctx.backward once "
                 "(ctx.backward(loss + penalty))")
         self._retained = self._retained or bool(retain_graph)
+        self._backward_in_group = True
         # .item(): on the CPU a plain read, a tenth of the cost of bool(torch.isfinite(loss)).
         if self._check_each_step and not math.isfinite(value := loss.item()):
             raise NonFiniteLossError(self.epoch, self._batch_index, value)
@@ -209,6 +214,14 @@ class StepContext:
     def _take_step(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step of :meth:`step`, unconditionally (the loop's, for a group an unsized loader ended)."""
         n = self.global_step + 1
+        if not self._backward_in_group and (self._scaler is not None or self._accumulate > 1):
+            # Gradients from a plain loss.backward(): not scaled under fp16 (unscaling would shrink them by the
+            # scale), not divided by grad_accum_steps.
+            raise ConfigurationError(
+                f"ctx.step({name!r}) after no ctx.backward in this accumulation group: gradients from a plain "
+                f"loss.backward() are {'not scaled for fp16' if self._scaler is not None else ''}"
+                f"{' and ' if self._scaler is not None and self._accumulate > 1 else ''}"
+                f"{'not divided by grad_accum_steps' if self._accumulate > 1 else ''}; call ctx.backward(loss)")
         if self._unscale:
             self._scaler.unscale_(optimizer)  # clip (and show the hooks) the true gradients, not the scaled ones
         if self._clip is not None:

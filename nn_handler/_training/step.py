@@ -221,6 +221,7 @@ class MicroBatches:
         if self._starts_group:
             self._zero_grads()
             self._starts_group = False
+            ctx._backward_in_group = False
         ctx._batch_index, ctx.is_last_micro_batch, ctx.global_step = index, ends_group, self.state.global_step
         ctx._asked.clear()
         ctx._retained = False

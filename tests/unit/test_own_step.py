@@ -609,3 +609,24 @@ def test_an_optimizer_step_that_never_happens_is_said_once_naming_the_optimizer(
         handler.train(2, progress=False)
     warnings = [r.getMessage() for r in caplog.records if "ctx.step" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith(said), warnings
+
+
+def _plain_backward(ctx, batch):
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    loss.backward()  # neither scaled under fp16 nor divided by grad_accum_steps
+    ctx.step("D")
+    return loss
+
+
+@pytest.mark.parametrize("amp, accum, why", [("fp16", 1, "not scaled for fp16"),
+                                             (False, 2, "not divided by grad_accum_steps")])
+def test_a_plain_backward_before_ctx_step_is_refused_where_its_gradients_would_be_wrong(amp, accum, why):
+    handler = gan.make_handler(amp, n=16, step=_plain_backward, grad_accum_steps=accum)
+    before = gan.flat(handler.models["D"])
+    with pytest.raises(ConfigurationError, match=rf"ctx.step\('D'\) after no ctx.backward in this accumulation group: "
+                                                 rf"gradients from a plain loss.backward\(\) are {why}; call "
+                                                 rf"ctx.backward\(loss\)"):
+        handler.train(1, progress=False)
+    assert torch.equal(gan.flat(handler.models["D"]), before)
+    gan.make_handler(n=16, step=_plain_backward).train(1, progress=False)  # fp32, no accumulation: the same numbers
