@@ -136,14 +136,19 @@ class Callback:
 
         Accumulated, all-reduced under DDP (this rank's shards under FSDP),
         unscaled under fp16 and clipped (``clip_grad_norm``): what the
-        optimizer is about to apply, e.g. for a gradient-norm logger.
+        optimizer is about to apply, e.g. for a gradient-norm logger. With
+        several optimizers it runs once per optimizer: a hook written with a
+        third parameter, ``(self, handler, step, name)``, gets the
+        optimizer's name.
         """
 
     def on_optimizer_step(self, handler: TrainerView, step: int) -> None:
         """After optimizer step ``step`` (``handler.global_step == step``), before a per-step scheduler steps.
 
         The weights are updated and the LR is still the one this step used.
-        A step the fp16 scaler skipped (inf/NaN gradients) counts.
+        A step the fp16 scaler skipped (inf/NaN gradients) counts. As
+        :meth:`on_before_optimizer_step`, a hook with a third parameter
+        ``name`` gets the optimizer's name.
         """
 
     def on_validation_end(self, handler: TrainerView, epoch: int, logs: dict[str, float]) -> None:
@@ -434,10 +439,12 @@ class CSVLogger(Callback):
 
 
 class EMA(Callback):
-    """An exponential moving average of the model's weights, updated after every optimizer step.
+    """An exponential moving average of the model's weights, updated once per training step.
 
-    After each step ``ema = decay * ema + (1 - decay) * weights`` (the first
-    step copies the weights), with torch's ``AveragedModel`` and
+    After each training step ``ema = decay * ema + (1 - decay) * weights``
+    (the first copies the weights), once however many optimizers stepped in
+    it (a backbone and a head at their own LRs, a GAN's two), after all of
+    them, with torch's ``AveragedModel`` and
     ``get_ema_multi_avg_fn``. The average is in checkpoints (the callback's
     state) and restored on resume, so a resumed run's average equals the
     uninterrupted run's; after :meth:`NNHandler.load_checkpoint` (of the
@@ -451,6 +458,8 @@ class EMA(Callback):
         use_buffers: Average the buffers too (BatchNorm's running statistics),
             so the averaged model needs no pass over the data; False keeps the
             live model's buffers when the average is swapped in.
+        model: With several models, the name of the one to average (a GAN's
+            ``"G"``, a student beside its frozen teacher).
 
     Attributes:
         module: The ``torch.optim.swa_utils.AveragedModel`` (None before
@@ -472,36 +481,62 @@ class EMA(Callback):
         True
     """
 
-    def __init__(self, decay: float = 0.999, use_buffers: bool = True):
+    def __init__(self, decay: float = 0.999, use_buffers: bool = True, model: str | None = None):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
             raise invalid("decay", "a number in (0, 1)", decay, "e.g. 0.999: an average over ~1/(1-decay) steps")
-        self.decay, self.use_buffers = float(decay), check_bool("use_buffers", use_buffers)
+        if model is not None and not isinstance(model, str):
+            raise invalid("model", "a model's name (a str) or None", model)
+        self.decay, self.use_buffers, self.model = float(decay), check_bool("use_buffers", use_buffers), model
         self.module: Any = None
         self._loaded: dict[str, Any] | None = None  # a checkpoint's average, loaded before the model is known
+        self._stepped = False  # an optimizer stepped in the training step in progress
 
     def on_train_begin(self, handler):
-        _refuse_sharded(handler.module)
+        _refuse_sharded(self._averaged(handler))
         self._build(handler)
+        self._stepped = False
 
     def on_load_checkpoint(self, handler, payload):
         # Usable at once: loading the final or best checkpoint to evaluate or export its average is the common
         # use, and training more to reach it would change it. A sharded model is refused when training starts.
-        if self._loaded is not None and not _is_sharded(handler.module):
+        if self._loaded is not None and not _is_sharded(self._averaged(handler)):
             self._build(handler)
+
+    def _averaged(self, handler: TrainerView) -> Any:
+        """The model averaged: the one, or the one named ``model``."""
+        if self.model is None:
+            try:
+                return handler.module
+            except AttributeError:
+                names = ", ".join(map(repr, handler.models))
+                raise ConfigurationError(f"EMA: this handler has {len(handler.models)} models ({names}): name the "
+                                         f"one to average, EMA(decay, model={next(iter(handler.models))!r})") from None
+        if self.model not in handler.models:
+            raise ConfigurationError(f"EMA(model={self.model!r}): no model of that name; this handler's are "
+                                     f"{', '.join(map(repr, handler.models))}")
+        return handler.models[self.model]
 
     def _build(self, handler: TrainerView) -> None:
         """The ``AveragedModel`` over ``handler``'s model, holding a loaded average if there is one."""
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
         if self.module is None:
-            self.module = AveragedModel(handler.module, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
+            self.module = AveragedModel(self._averaged(handler), multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                         use_buffers=self.use_buffers)
         if self._loaded is not None:
             self.module.load_state_dict(self._loaded)
             self._loaded = None
 
     def on_optimizer_step(self, handler, step):
-        self.module.update_parameters(handler.module)
+        self._stepped = True  # averaged once the training step is over, after every optimizer in it
+
+    def on_batch_end(self, handler, step, loss):
+        if self._stepped:
+            self._stepped = False
+            self.module.update_parameters(self._averaged(handler))
+
+    def on_epoch_end(self, handler, epoch, logs):
+        self.on_batch_end(handler, -1, None)  # an unsized loader's last group, stepped after its last batch
 
     @contextlib.contextmanager
     def swapped(self, handler: TrainerView) -> Iterator[TrainerView]:
@@ -516,7 +551,7 @@ class EMA(Callback):
         if self.module is None:
             raise RuntimeError("EMA has no average yet: train with this callback, or load a checkpoint that holds "
                                "its average (NNHandler.load_checkpoint with this callback attached)")
-        live = handler.module
+        live = self._averaged(handler)
         saved = {k: v.detach().clone() for k, v in live.state_dict().items()}
         averaged = self.module.module.state_dict()
         if not self.use_buffers:  # only the parameters are averaged

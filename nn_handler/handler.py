@@ -281,7 +281,7 @@ class NNHandler:
     partial_epoch = property(lambda self: self._state.resume_partial is not None, doc="True from where max_steps "
                              "or max_time stopped an epoch part-way (its hooks included) until it is continued.")
     steps_per_epoch = property(lambda self: optimizer_steps_per_epoch(self.train_loader, self.grad_accum_steps),
-                               doc="Optimizer steps an epoch takes on this rank (after accumulation).")
+                               doc="Training steps an epoch takes on this rank (after accumulation).")
     grad_accum_steps = config_property("grad_accum_steps")
     clip_grad_norm = config_property("clip_grad_norm")
     finite_check_every = config_property("finite_check_every")

@@ -8,11 +8,23 @@ scaled under fp16 and divided by ``grad_accum_steps``; the optimizer stepped
 only at the end of an accumulation group, after unscaling, clipping and the
 optimizer-step hooks. The built-in step (:mod:`.step`) is such a function.
 
+Under fp16 the scaler is updated after every optimizer step (``scaler.step``
+then ``scaler.update``, as Lightning, Fabric and Accelerate do), so every
+backward is scaled and unscaled by the same scale however many times an
+optimizer steps in a training step (a critic's inner loop), and a skipped
+step's back-off reaches the next backward.
+
+An optimizer stepped by hand (``optimizer.step()``) while the step function
+runs is refused at once: off a group's last micro-batch it would step on
+this rank's own gradients, and DDP's ranks would train apart. So is a
+:meth:`step` in a group without any :meth:`backward` under fp16 or
+accumulation (a plain ``loss.backward()``'s gradients, neither scaled nor
+divided).
+
 What the context does not do, and the loop around it does: zero every
 optimizer's gradients at the start of an accumulation group, pause the
-models' gradient synchronisation off the group's last micro-batch, update
-the fp16 scaler once per training step (after every optimizer that stepped,
-as torch's recipe for several optimizers asks) and count the step.
+models' gradient synchronisation off the group's last micro-batch, watch for
+optimizers stepped by hand while the step function runs, and count the step.
 
 Public as :class:`nn_handler.StepContext`; the handler builds it.
 """
@@ -29,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigurationError, NonFiniteLossError
 from ..utils._stall import watching
-from .precision import Precision
+from .precision import Precision, update_scale
 
 if TYPE_CHECKING:
     from .schedule import OptimizerSteps
@@ -104,11 +116,15 @@ class StepContext:
         self._ddp = any(isinstance(m, DistributedDataParallel) for m in self.models.values())
         # Set by the loop for each micro-batch: its index in the epoch (for a
         # non-finite loss), the optimizers asked to step (to step them when an
-        # unsized loader ends inside a group), whether the fp16 scaler stepped.
+        # unsized loader ends inside a group), whether the step function runs.
         self._batch_index = 0
         self._asked: list[str] = []
-        self._scaler_stepped: set[str] = set()  # the optimizers the fp16 scaler stepped since its update()
+        self._in_step_fn = False
+        self._stepping = False  # this context's own optimizer step: not one by hand
+        # Every optimizer's parameters: under fp16 the gradients still accumulating when the scale changes follow it.
+        self._params = [p for o in self.optimizers.values() for g in o.param_groups for p in g["params"]]
         self._retained = False  # a backward of this micro-batch kept its graph (retain_graph=True)
+        self._backward_in_group = False  # ctx.backward ran in this accumulation group (set by the loop at its start)
         # The real samples of a batch that ends in DistributedSampler padding (else None): the built-in
         # step's loss and metrics for the History cover those rows only.
         self._real_rows: int | None = None
@@ -152,6 +168,7 @@ class StepContext:
                 "the same forward is not averaged over the ranks; add the losses and call ctx.backward once "
                 "(ctx.backward(loss + penalty))")
         self._retained = self._retained or bool(retain_graph)
+        self._backward_in_group = True
         # .item(): on the CPU a plain read, a tenth of the cost of bool(torch.isfinite(loss)).
         if self._check_each_step and not math.isfinite(value := loss.item()):
             raise NonFiniteLossError(self.epoch, self._batch_index, value)
@@ -168,10 +185,11 @@ class StepContext:
         In that order: unscale its gradients (fp16), clip its trainable
         parameters' gradients (``clip_grad_norm``), ``on_before_optimizer_step``,
         the optimizer's step (the fp16 scaler's, which skips a step with
-        inf/NaN gradients), zero its gradients, ``on_optimizer_step``, its
-        per-step scheduler. Elsewhere in a group it does nothing: the
+        inf/NaN gradients, then the scaler's update), zero its gradients,
+        ``on_optimizer_step``. Elsewhere in a group it does nothing: the
         gradients accumulate. With several optimizers each hook runs once per
-        optimizer, with the same step number.
+        optimizer, with the same step number. Its per-step scheduler steps
+        once the training step is over (once, however often it stepped).
 
         Raises:
             ConfigurationError: ``name`` is not one of :attr:`optimizers` (or left out with several).
@@ -196,9 +214,14 @@ class StepContext:
     def _take_step(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step of :meth:`step`, unconditionally (the loop's, for a group an unsized loader ended)."""
         n = self.global_step + 1
-        if name in self._scaler_stepped:  # stepped again in one training step (a critic's inner loop)
-            self._scaler.update()  # the scaler's state for this optimizer starts anew
-            self._scaler_stepped.clear()
+        if not self._backward_in_group and (self._scaler is not None or self._accumulate > 1):
+            # Gradients from a plain loss.backward(): not scaled under fp16 (unscaling would shrink them by the
+            # scale), not divided by grad_accum_steps.
+            raise ConfigurationError(
+                f"ctx.step({name!r}) after no ctx.backward in this accumulation group: gradients from a plain "
+                f"loss.backward() are {'not scaled for fp16' if self._scaler is not None else ''}"
+                f"{' and ' if self._scaler is not None and self._accumulate > 1 else ''}"
+                f"{'not divided by grad_accum_steps' if self._accumulate > 1 else ''}; call ctx.backward(loss)")
         if self._unscale:
             self._scaler.unscale_(optimizer)  # clip (and show the hooks) the true gradients, not the scaled ones
         if self._clip is not None:
@@ -207,15 +230,30 @@ class StepContext:
                                       if p.requires_grad], self._clip)
         hooks = self._hooks
         if hooks is not None:
-            hooks.before_step(n)
-        if self._scaler is not None:
-            self._scaler.step(optimizer)  # skips the update on inf/NaN gradients
-            self._scaler_stepped.add(name)
-        else:
-            optimizer.step()
+            hooks.before_step(name, n)
+        self._stepping = True
+        try:
+            if self._scaler is not None:
+                self._scaler.step(optimizer)  # skips the update on inf/NaN gradients
+            else:
+                optimizer.step()
+        finally:
+            self._stepping = False
         optimizer.zero_grad(set_to_none=True)
+        if self._scaler is not None:
+            update_scale(self._scaler, [p.grad for p in self._params if p.grad is not None])
         if hooks is not None:
             hooks.after_step(name, n)
+
+    def _refuse_step_by_hand(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer's step pre-hook (the loop's, while a training step runs): only :meth:`step` steps."""
+        if self._in_step_fn and not self._stepping:
+            name = next((n for n, o in self.optimizers.items() if o is optimizer), "?")
+            raise ConfigurationError(
+                f"optimizer {name!r} was stepped by hand (optimizer.step()) in the training step: call "
+                f"ctx.backward(loss) and ctx.step({name!r}) instead. They divide the loss by grad_accum_steps, "
+                f"scale it under fp16 and step at the end of an accumulation group, once DDP averaged the "
+                f"gradients; a step by hand elsewhere trains each rank on its own gradients, and the ranks diverge")
 
     def _optimizer(self, name: str | None, what: str) -> torch.optim.Optimizer:
         if name is None:

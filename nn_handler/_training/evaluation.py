@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
               epoch: int | None = None) -> tuple[list, list[str]]:
-    """This rank's ``[loss_sum, count, value_sums...]`` over its real (unpadded) samples, and the values' names.
+    """This rank's ``[loss_sum, count, (value_sum, samples)...]`` over its real (unpadded) samples, and the values'
+    names, agreed with the other ranks.
 
     The validation step (the handler's ``validation_step``, else the built-in
     loss and metrics) runs under ``torch.no_grad()`` on the models themselves.
@@ -53,7 +54,7 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
     for module, _ in modes:
         module.eval()
     real = D.real_sample_count(loader)
-    losses, sizes, columns = [], [], []
+    losses, sizes, columns = [], [], M.Columns()
     seen = 0
     # A sharded model's forward is a collective: every rank runs it on every batch, padding included.
     lockstep = parts.in_group and any(is_sharded(m) for m in parts.modules.values())
@@ -74,16 +75,15 @@ def eval_sums(parts: Parts, config: TrainingConfig, loader: DataLoader,
                     continue
                 losses.append(loss)
                 sizes.append(keep)
-                columns = columns or [[] for _ in returned]
-                for column, value in zip(columns, returned):
-                    column.append(value)
+                if returned:
+                    columns.add(returned, keep)
     finally:
         for module, was_training in modes:
             module.train(was_training)
-    names = list(values.names or [])
+    names = M.agree_on_names(list(values.names if values.fixed else columns.values), values.fixed, parts.in_group)
     if not losses:
-        return [torch.zeros((), dtype=torch.float64), 0.0] + [0.0] * len(names), names
-    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, columns), names
+        return [torch.zeros((), dtype=torch.float64), 0.0] + columns.sums(names, parts.device), names
+    return M.batch_sums(torch.stack(losses).to(torch.float64), sizes, columns, names), names
 
 
 def validation_step(parts: Parts, config: TrainingConfig) -> tuple[Callable, StepValues]:

@@ -252,7 +252,7 @@ class Loop:
         max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
-        values: list[list] = []  # per value the step returns besides its loss (metrics), per batch
+        columns = M.Columns()  # the values the step returns besides its loss (metrics), by key
         resume, state.resume_partial = state.resume_partial, None
         first = 0
         if resume is not None:
@@ -260,8 +260,7 @@ class Loop:
             batches, first = D.skip_to(loader, resume, epoch)
             losses = [t.to(device) for t in resume["losses"].unbind(0)]
             sizes = [int(n) for n in resume["sizes"]]
-            values = [list(t.unbind(0)) for t in resume["metrics"]]
-            steps.values.names = list(resume.get("keys", steps.values.names or []))
+            columns = M.Columns.restored(resume, sizes)
         else:
             # What decides this epoch's batch order (the global generators, the
             # loader's and sampler's own), taken before the loader draws from
@@ -279,7 +278,7 @@ class Loop:
         stop = None
         try:
             # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
-            with watch_collectives():
+            with watch_collectives(), steps.refusing_steps_by_hand():
                 for i, batch in enumerate(batches, start=first):
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
@@ -296,9 +295,7 @@ class Loop:
                     losses.append(counted)
                     sizes.append(keep)
                     if returned:
-                        values = values or [[] for _ in returned]
-                        for column, value in zip(values, returned):
-                            column.append(value)
+                        columns.add(returned, keep)
                     for cb in callbacks:
                         cb.on_batch_end(view, i, loss)
                     if check_every and (i + 1) % check_every == 0:
@@ -329,17 +326,17 @@ class Loop:
                 "the training loader yielded no batches (is drop_last=True with a dataset smaller than "
                 "batch_size, or fewer samples than ranks?)"
             )
-        names = list(steps.values.names or [])
         partial = None
         if stop is not None:
             # "rng": the streams at the stop, before validation draws from them.
             partial = {"batches": i + 1, "epoch_start": epoch_start, "losses": torch.stack(losses).cpu(),
-                       "sizes": list(sizes), "metrics": [M.as_float64(v) for v in values], "keys": names,
-                       "rng": capture_rng_state()}
+                       "sizes": list(sizes), **columns.state(), "rng": capture_rng_state()}
             if stop == "preempt":
                 raise _StopMidEpoch(partial)
         stacked = torch.stack(losses).to(torch.float64)
-        sums = M.batch_sums(stacked, sizes, values)
+        mine = steps.values.names if steps.values.fixed else list(columns.values)  # in the order first returned
+        names = M.agree_on_names(mine, steps.values.fixed, parts.in_group)
+        sums = M.batch_sums(stacked, sizes, columns, names)
         bad_step, bad_value = M.first_nonfinite(stacked)
         return {"sums": sums, "names": names, "bad_step": bad_step, "bad_value": bad_value, "partial": partial}
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import NonFiniteLossError
+from ..utils._collectives import gather, side_group
 from ..utils._stall import watching
 from ..utils.ddp import is_distributed
 from . import batches as B
@@ -75,10 +76,85 @@ def as_float64(values: list) -> torch.Tensor:
         if values else torch.zeros(0, dtype=torch.float64)
 
 
-def batch_sums(stacked: torch.Tensor, sizes: list[int], metric_values: list[list]) -> list:
-    """``[loss_sum, count, metric_sums...]`` from the batches' float64 losses, each weighted by its sample count."""
+class Columns:
+    """What a step returns besides its loss, by key: the value of each batch that reported it, and its samples.
+
+    A key is averaged over the batches that report it, weighted by their
+    samples, as Lightning's ``self.log`` averages a value logged on some
+    steps only (a WGAN's generator loss, on its generator steps).
+
+    Example:
+        >>> columns = Columns()
+        >>> columns.add({"d": 1.0, "g": 4.0}, 8)
+        >>> columns.add({"d": 3.0}, 8)
+        >>> sums = [float(s) for s in columns.sums(["d", "g", "x"], torch.device("cpu"))]
+        >>> sums                      # (sum, samples) of each key: "x" came with no batch
+        [32.0, 16.0, 32.0, 8.0, 0.0, 0.0]
+        >>> means("train_", [0.0, 16.0, *sums], ["d", "g", "x"])
+        {'train_loss': 0.0, 'train_d': 2.0, 'train_g': 4.0}
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, list] = {}
+        self.sizes: dict[str, list[int]] = {}
+
+    def add(self, returned: Mapping[str, Any], size: int) -> None:
+        for name, value in returned.items():
+            column = self.values.get(name)
+            if column is None:
+                column = self.values[name] = []
+                self.sizes[name] = []
+            column.append(value)
+            self.sizes[name].append(size)
+
+    def sums(self, names: list[str], device: torch.device) -> list:
+        """``[sum, samples]`` of each of ``names``, flat (``0.0, 0.0`` for a key this rank's batches never had)."""
+        out: list = []
+        for name in names:
+            sizes = self.sizes.get(name)
+            if sizes:
+                out += [weighted_sum(self.values[name], torch.tensor(sizes, dtype=torch.float64, device=device)),
+                        float(sum(sizes))]
+            else:
+                out += [0.0, 0.0]
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """What a mid-epoch checkpoint keeps of them."""
+        return {"keys": list(self.values), "metrics": [as_float64(v) for v in self.values.values()],
+                "metric_sizes": [torch.tensor(s, dtype=torch.int64) for s in self.sizes.values()]}
+
+    @classmethod
+    def restored(cls, state: Mapping[str, Any], sizes: list[int]) -> "Columns":
+        """From :meth:`state` (before ``metric_sizes`` was kept, every key came with every batch of ``sizes``)."""
+        columns = cls()
+        kept = state.get("metric_sizes") or [None] * len(state["metrics"])
+        for name, values, n in zip(state.get("keys", []), state["metrics"], kept):
+            columns.values[name] = list(values.unbind(0))
+            columns.sizes[name] = list(sizes) if n is None else [int(k) for k in n]
+        return columns
+
+
+def agree_on_names(names: list[str], fixed: bool, in_group: bool) -> list[str]:
+    """The value keys of every rank, in one order: their union, rank 0's first (one small gather per call).
+
+    The epoch's sums meet in one all-reduce, by position: keys that differ
+    between ranks would be summed into each other's columns. A key that some
+    rank never had is there ``0, 0`` (no batch reported it). Keys known
+    beforehand (``fixed``: the built-in step's metrics) are the same everywhere.
+    """
+    if fixed or not in_group or not is_distributed():
+        return names
+    union: dict[str, None] = {}
+    for theirs in gather(side_group(), names):
+        union.update(dict.fromkeys(theirs))
+    return list(union)
+
+
+def batch_sums(stacked: torch.Tensor, sizes: list[int], columns: Columns, names: list[str]) -> list:
+    """``[loss_sum, count, (sum, samples) per name...]``: float64 losses and values, each weighted by its samples."""
     weights = torch.tensor(sizes, dtype=torch.float64, device=stacked.device)
-    return [(stacked * weights).sum(), float(sum(sizes))] + [weighted_sum(v, weights) for v in metric_values]
+    return [(stacked * weights).sum(), float(sum(sizes))] + columns.sums(names, stacked.device)
 
 
 def real_part(outputs: Any, targets: Any, loss: torch.Tensor, keep: int, rows: int,
@@ -103,11 +179,16 @@ def real_part(outputs: Any, targets: Any, loss: torch.Tensor, keep: int, rows: i
     return loss, outputs, targets
 
 
-def means(prefix: str, sums: list[float], metrics: Mapping[str, Any]) -> dict[str, float]:
-    """``{prefix + "loss": ..., prefix + name: ...}`` from ``[loss_sum, count, metric_sums...]``."""
-    n = sums[1]
-    out = {f"{prefix}loss": sums[0] / n}
-    out.update({f"{prefix}{name}": s / n for name, s in zip(metrics, sums[2:])})
+def means(prefix: str, sums: list[float], names: list[str]) -> dict[str, float]:
+    """``{prefix + "loss": ..., prefix + name: ...}`` from ``[loss_sum, count, (sum, samples) per name...]``.
+
+    A name that no batch reported (on any rank) is left out of the row.
+    """
+    out = {f"{prefix}loss": sums[0] / sums[1]}
+    for i, name in enumerate(names):
+        total, n = sums[2 + 2 * i], sums[3 + 2 * i]
+        if n:
+            out[f"{prefix}{name}"] = total / n
     return out
 
 

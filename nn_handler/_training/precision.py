@@ -138,3 +138,34 @@ class Precision:
         if self.dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+
+
+def update_scale(scaler: torch.amp.GradScaler, waiting: list[torch.Tensor]) -> None:
+    """``scaler.update()`` right after an optimizer's ``scaler.step``, the gradients ``waiting`` kept at the scale.
+
+    ``waiting`` are gradients that other optimizers have not stepped on yet
+    (an accumulation group's earlier micro-batches, a loss that reached them
+    too): made at the old scale, they are brought to the new one, so that
+    their optimizer unscales each by the scale it was multiplied by. The
+    scale changes by powers of two (``growth_factor``, ``backoff_factor``), so
+    this is exact.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        >>> w = torch.zeros(1, requires_grad=True)
+        >>> opt = torch.optim.SGD([w], lr=1.0)
+        >>> scaler.scale(w.sum() * float("inf")).backward()
+        >>> scaler.step(opt)                       # skipped: an inf gradient
+        >>> waiting = [torch.tensor([8.0])]        # 1.0, made at the scale of 8
+        >>> update_scale(scaler, waiting)
+        >>> scaler.get_scale(), waiting[0]         # backed off, and the waiting gradient with it
+        (4.0, tensor([4.]))
+    """
+    if not waiting:
+        scaler.update()
+        return
+    before = scaler.get_scale()  # reads the device only where a gradient waits (accumulation under fp16)
+    scaler.update()
+    after = scaler.get_scale()
+    if after != before:
+        torch._foreach_mul_(waiting, after / before)

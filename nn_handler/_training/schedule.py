@@ -1,25 +1,28 @@
 """The LR scheduler and the optimizer-step hooks: when the loop steps what, around each optimizer step.
 
 ``scheduler_interval`` (Lightning's word) says when the scheduler steps:
-``"epoch"`` once per completed epoch, ``"step"`` after every optimizer step
-(after gradient accumulation). ``None`` picks by type: ``OneCycleLR`` and
+``"epoch"`` once per completed epoch, ``"step"`` once per training step in
+which its optimizer stepped (after gradient accumulation; once also when a
+step's inner loop stepped it several times, so ``steps_per_epoch`` sizes
+every schedule). ``None`` picks by type: ``OneCycleLR`` and
 ``CyclicLR``, per-batch by torch's own docs, step per step; every other
 scheduler per epoch. ``ReduceLROnPlateau`` steps on the epoch's monitored
 value, so it stays per epoch.
 
 Around one optimizer step (:meth:`~.context.StepContext.step`), :class:`OptimizerSteps` runs::
 
-    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n) -> optimizer step, zero its gradients
-    -> global_step = n -> on_optimizer_step(handler, n) -> its scheduler's step ("step" interval)
+    unscale (fp16) -> clip -> on_before_optimizer_step(handler, n[, name]) -> optimizer step (fp16: the
+    scaler's step, then its update()), zero its gradients -> global_step = n -> on_optimizer_step(handler, n[, name])
 
-and once the training step is over, the fp16 scaler's ``update()``.
+and once the training step is over, the per-step scheduler of each optimizer that stepped in it. A hook that
+takes a third parameter gets the optimizer's name.
 
 A step that the fp16 ``GradScaler`` skipped (inf/NaN gradients) still counts:
 ``global_step`` grows and a per-step scheduler steps, as Lightning does (the
 HF Trainer also counts it in ``global_step`` but holds its scheduler back),
 so the LR is a function of ``global_step`` alone and a resume needs nothing more.
 
-A per-step schedule is sized in optimizer steps: :func:`optimizer_steps_per_epoch` (``handler.steps_per_epoch``)
+A per-step schedule is sized in training steps: :func:`optimizer_steps_per_epoch` (``handler.steps_per_epoch``)
 counts those of an epoch on this rank, as Lightning's ``estimated_stepping_batches`` does for a whole run.
 
 Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
@@ -29,6 +32,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Callable
 
@@ -152,6 +156,33 @@ def step_per_epoch(scheduler: Any, interval: str | None, row: dict[str, Any]) ->
         scheduler.step()
 
 
+def takes_name(hook: Callable) -> bool:
+    """True when a bound optimizer-step hook takes a third argument (the optimizer's name), or ``*args``.
+
+    Example:
+        >>> class Old:
+        ...     def on_optimizer_step(self, handler, step): ...
+        >>> class New:
+        ...     def on_optimizer_step(self, handler, step, name): ...
+        >>> takes_name(Old().on_optimizer_step), takes_name(New().on_optimizer_step)
+        (False, True)
+    """
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: called as documented, with two
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in parameters)
+            or sum(p.kind in positional for p in parameters) >= 3)
+
+
+def _with_name(hook: Callable) -> Callable[[Any, int, str], None]:
+    """``hook(view, n, name)``, for a hook that takes the name or one that does not."""
+    if takes_name(hook):
+        return hook
+    return lambda view, n, name: hook(view, n)
+
+
 def _overrides(cb: Any, hook: str) -> bool:
     """True when ``cb``'s class (or a base of it other than ``Callback``) defines ``hook``."""
     owner = next((k for k in type(cb).__mro__ if hook in vars(k)), None)
@@ -164,7 +195,8 @@ class OptimizerSteps:
     :meth:`~.context.StepContext.step` calls :meth:`before_step` and
     :meth:`after_step` around each optimizer's step; with several optimizers
     each hook runs once per optimizer, with the same step number (the
-    training step's, which counts accumulation groups).
+    training step's, which counts accumulation groups). The loop calls
+    :meth:`training_step_done` at each group's end.
 
     Args:
         parts: The call's parts (callbacks, schedulers by optimizer name, the view the hooks get).
@@ -178,22 +210,33 @@ class OptimizerSteps:
         self.per_step = {name: s for name, s in parts.schedulers.items() if self.intervals[name] == "step"}
         # Only callbacks that override a hook are called: with none, fp16 gradients
         # are not unscaled for a hook nobody reads (clipping still unscales them).
-        self.before = [cb for cb in parts.callbacks if _overrides(cb, "on_before_optimizer_step")]
-        self.after = [cb for cb in parts.callbacks if _overrides(cb, "on_optimizer_step")]
+        self.before = [_with_name(cb.on_before_optimizer_step) for cb in parts.callbacks
+                       if _overrides(cb, "on_before_optimizer_step")]
+        self.after = [_with_name(cb.on_optimizer_step) for cb in parts.callbacks
+                      if _overrides(cb, "on_optimizer_step")]
+        self._stepped: dict[str, Any] = {}  # the per-step schedulers whose optimizer stepped in this training step
+        self.warned: set = set()  # the optimizer steps that did not happen, said once per train() call
 
-    def before_step(self, n: int) -> None:
-        """``on_before_optimizer_step(handler, n)``: the gradients are final (unscaled, clipped)."""
-        for cb in self.before:
-            cb.on_before_optimizer_step(self.parts.view, n)
+    def before_step(self, name: str, n: int) -> None:
+        """``on_before_optimizer_step(handler, n[, name])``: the gradients are final (unscaled, clipped)."""
+        for hook in self.before:
+            hook(self.parts.view, n, name)
 
     def after_step(self, name: str, n: int) -> None:
-        """After optimizer ``name`` stepped: ``global_step = n``, ``on_optimizer_step``, its per-step scheduler."""
+        """After optimizer ``name`` stepped: ``global_step = n``, ``on_optimizer_step``; its scheduler is due."""
         self.state.global_step = n
-        for cb in self.after:
-            cb.on_optimizer_step(self.parts.view, n)
+        for hook in self.after:
+            hook(self.parts.view, n, name)
         scheduler = self.per_step.get(name)
         if scheduler is not None:
-            scheduler.step()
+            self._stepped[name] = scheduler
+
+    def training_step_done(self) -> None:
+        """The per-step scheduler of each optimizer that stepped in the training step: one step each."""
+        if self._stepped:
+            for scheduler in self._stepped.values():
+                scheduler.step()
+            self._stepped.clear()
 
     def epoch_done(self, row: dict[str, Any]) -> None:
         """The per-epoch schedulers' steps at the end of a completed epoch."""

@@ -11,8 +11,11 @@ validation, under ``torch.no_grad()``.
 :class:`MicroBatches` is the loop's side of a step function: per micro-batch
 it zeroes the gradients at the start of an accumulation group, pauses the
 models' gradient synchronisation off the group's end, calls the step, checks
-what it returned, and at the group's end updates the fp16 scaler once and
-counts the training step.
+what it returned, and at the group's end counts the training step. While the
+step function runs, an optimizer stepped by hand is refused
+(:meth:`MicroBatches.refusing_steps_by_hand`); a group in which no optimizer
+stepped, or one that asked an optimizer to step on an earlier micro-batch but
+not on the last, is said once (a warning naming the optimizer).
 
 Private: :class:`~nn_handler.NNHandler` is the public face.
 """
@@ -20,7 +23,8 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping
+import logging
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -36,6 +40,7 @@ from .schedule import OptimizerSteps
 from .sharding import can_pause_sync, gradient_sync_paused
 
 StepFn = Callable[[StepContext, Any], Any]
+log = logging.getLogger(__name__)
 
 
 class TrainingStep:
@@ -90,17 +95,23 @@ class ValidationStep:
 
 
 class StepValues:
-    """Reads what a step returned: the loss and the other values, under the keys the first call returned.
+    """Reads what a step returned: the loss, and the other values by key (a key may come with some batches only).
 
     Args:
         what: ``"training_step"`` or ``"validation_step"`` (named in errors).
-        names: The value keys when known beforehand (the built-in steps' metrics); else learned from the first call.
+        names: The value keys when known beforehand (the built-in steps' metrics, the same on every rank).
+
+    Attributes:
+        names: Every key returned so far besides ``"loss"``, in the order first seen (None before the first call).
+        fixed: The keys were known beforehand.
 
     Example:
         >>> import torch
         >>> values = StepValues("training_step")
-        >>> values.read({"loss": torch.tensor(1.0), "acc": 0.5}), values.names
-        ((tensor(1.), [0.5]), ['acc'])
+        >>> values.read({"loss": torch.tensor(1.0), "d": 0.5}), values.names
+        ((tensor(1.), {'d': 0.5}), ['d'])
+        >>> values.read({"loss": torch.tensor(2.0), "g": 1.0})[1], values.names   # a generator step's loss
+        ({'g': 1.0}, ['d', 'g'])
         >>> values.read(torch.ones(3))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -108,34 +119,32 @@ class StepValues:
     """
 
     def __init__(self, what: str, names: list[str] | None = None):
-        self.what, self.names = what, names
+        self.what, self.names, self.fixed = what, names, names is not None
+        self._known = set(names or ())
 
-    def read(self, result: Any) -> tuple[torch.Tensor, list]:
-        """``(detached loss, [value per name])`` of a step's return."""
-        if isinstance(result, torch.Tensor) and result.dim() == 0:
-            if self.names:
-                self._changed([])
+    def read(self, result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(detached loss, {key: value})`` of a step's return."""
+        if self.names is None:
             self.names = []
-            return result.detach(), []
+        if isinstance(result, torch.Tensor) and result.dim() == 0:
+            return result.detach(), {}
         if not isinstance(result, Mapping) or "loss" not in result:
             self._refuse(result)
         loss = result["loss"]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             self._refuse(loss, "'loss' of ")
-        names = [k for k in result if k != "loss"]
-        if self.names is None:
-            bad = [k for k in names if not isinstance(k, str)]
-            if bad:
-                raise ConfigurationError(f"{self.what} returned keys that are not strings ({bad!r}); "
-                                         f"History columns need names")
-            self.names = names
-        elif names != self.names and set(names) != set(self.names):
-            self._changed(names)
-        return loss.detach(), [self._scalar(name, result[name]) for name in self.names]
+        values = {name: self._scalar(name, value) for name, value in result.items() if name != "loss"}
+        if not self._known.issuperset(values):
+            self._learn([k for k in values if k not in self._known])
+        return loss.detach(), values
 
-    def _changed(self, names: list) -> None:
-        raise ConfigurationError(f"{self.what} returned {['loss', *self.names]} first and {['loss', *names]} now: "
-                                 f"return the same keys at every batch")
+    def _learn(self, names: list) -> None:
+        bad = [k for k in names if not isinstance(k, str)]
+        if bad:
+            raise ConfigurationError(f"{self.what} returned keys that are not strings ({bad!r}); "
+                                     f"History columns need names")
+        self.names.extend(names)
+        self._known.update(names)
 
     def _scalar(self, name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -170,10 +179,12 @@ class MicroBatches:
         ctx: The context it gets (its epoch set by the loop).
         values: Reads what ``fn`` returns.
         state: The run's state (``global_step``).
+        warned: What was said once in this ``train()`` call; None: say nothing (a rank other than 0).
     """
 
-    def __init__(self, fn: StepFn, ctx: StepContext, values: StepValues, state: Any):
-        self.fn, self.ctx, self.values, self.state = fn, ctx, values, state
+    def __init__(self, fn: StepFn, ctx: StepContext, values: StepValues, state: Any, warned: set | None = None):
+        self.fn, self.ctx, self.values, self.state, self.warned = fn, ctx, values, state, warned
+        self._asked_in_group: set[str] = set()  # the optimizers asked to step on the group's earlier micro-batches
         # Built once per epoch: a group's zeroing asks each optimizer's
         # parameters whether they hold a gradient (cheaper than zero_grad).
         self._params = {name: [p for g in opt.param_groups for p in g["params"]]
@@ -189,13 +200,14 @@ class MicroBatches:
                           accumulate=config.grad_accum_steps, clip_grad_norm=config.clip_grad_norm, hooks=hooks,
                           check_each_step=check_each_step)
         ctx.epoch = epoch
+        warned = hooks.warned if parts.is_main_process else None
         if config.training_step is not None:
-            return cls(config.training_step, ctx, StepValues("training_step"), state)
+            return cls(config.training_step, ctx, StepValues("training_step"), state, warned)
         return cls(TrainingStep(parts.loss_fn, config.metrics), ctx, StepValues("the step", list(config.metrics)),
-                   state)
+                   state, warned)
 
     def run(self, batch: Any, index: int, ends_group: bool, pause_sync: bool,
-            real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
+            real_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The step on micro-batch ``batch`` (number ``index`` of the epoch): ``(loss, counted loss, values)``,
         detached: the loss trained on, and the one the History counts.
 
@@ -209,35 +221,79 @@ class MicroBatches:
         if self._starts_group:
             self._zero_grads()
             self._starts_group = False
+            ctx._backward_in_group = False
         ctx._batch_index, ctx.is_last_micro_batch, ctx.global_step = index, ends_group, self.state.global_step
         ctx._asked.clear()
         ctx._retained = False
-        if pause_sync and not ends_group and self._pausable:
-            with contextlib.ExitStack() as paused:
-                for model in self._pausable:
-                    paused.enter_context(gradient_sync_paused(model))
+        ctx._in_step_fn = True
+        try:
+            if pause_sync and not ends_group and self._pausable:
+                with contextlib.ExitStack() as paused:
+                    for model in self._pausable:
+                        paused.enter_context(gradient_sync_paused(model))
+                    result = self.fn(ctx, batch)
+            else:
                 result = self.fn(ctx, batch)
-        else:
-            result = self.fn(ctx, batch)
+        finally:
+            ctx._in_step_fn = False
         if ends_group:
             self.end_group()
+        elif ctx._asked:
+            self._asked_in_group.update(ctx._asked)
         loss, values = self.values.read(result)
         return loss, loss if ctx._counted_loss is None else ctx._counted_loss, values
 
+    @contextlib.contextmanager
+    def refusing_steps_by_hand(self) -> Iterator["MicroBatches"]:
+        """Within the block, an optimizer stepped by hand while the step function runs raises, on every rank.
+
+        torch's optimizer step pre-hooks, one per optimizer for the epoch: a
+        flag read per optimizer step, nothing per micro-batch. Outside the
+        step function (a callback, after ``train()``) the optimizers are the
+        user's own.
+        """
+        handles = [opt.register_step_pre_hook(self.ctx._refuse_step_by_hand) for opt in self.ctx.optimizers.values()]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def end_group(self, step_asked: bool = False) -> int:
         """Close the accumulation group: its optimizer steps (``step_asked``: those the last micro-batch asked
-        for, when an unsized loader ended inside the group), one fp16 scaler update, the training step counted."""
+        for, when an unsized loader ended inside the group), the per-step schedulers, the training step counted."""
         ctx = self.ctx
         if step_asked:
             ctx.global_step = self.state.global_step
             for name in dict.fromkeys(ctx._asked):
                 ctx._take_step(name, ctx.optimizers[name])
-        if ctx._scaler_stepped:
-            ctx._scaler.update()  # once per training step, after every optimizer that stepped
-            ctx._scaler_stepped.clear()
+        if not ctx._asked or self._asked_in_group:
+            self._say_what_did_not_step()
+        if ctx._hooks is not None:
+            ctx._hooks.training_step_done()  # the per-step schedulers
         self.state.global_step = ctx.global_step + 1
         self._starts_group = True
         return self.state.global_step
+
+    def _say_what_did_not_step(self) -> None:
+        """A warning, once per ``train()``: no optimizer stepped in this group, or one asked too early did not."""
+        asked, earlier, self._asked_in_group = set(self.ctx._asked), self._asked_in_group, set()
+        if self.warned is None:
+            return
+        n, names = self.ctx.global_step + 1, list(self.ctx.optimizers)
+        if not asked and not earlier and ("none",) not in self.warned:
+            self.warned.add(("none",))
+            log.warning("training step %d called no ctx.step(): %s did not step, so the step trained nothing (its "
+                        "gradients are zeroed when the next one starts) and global_step still counted it; call "
+                        "ctx.step(name) after ctx.backward(loss) (said once)", n,
+                        ", ".join(f"optimizer {name!r}" for name in names))
+        for name in (name for name in names if name in earlier and name not in asked):
+            if ("too early", name) not in self.warned:
+                self.warned.add(("too early", name))
+                log.warning("training step %d: ctx.step(%r) was called on an earlier micro-batch of its accumulation "
+                            "group but not on the last, where an optimizer steps: optimizer %r did not step, and the "
+                            "gradients it accumulated are zeroed when the next group starts; call ctx.step(%r) on "
+                            "every micro-batch (it steps on the group's last) (said once)", n, name, name, name)
 
     def _zero_grads(self) -> None:
         for name, params in self._params.items():

@@ -94,7 +94,40 @@ def _ranks(rank, root):
     except ConfigurationError as exc:
         out["two_passes"] = (str(exc), twice.global_step)
     twice.close()
+
+    by_hand = gan.make_handler(batch_size=PER_RANK, n=N, grad_accum_steps=2, step=_stepped_by_hand)
+    try:
+        by_hand.train(1, progress=False)
+    except ConfigurationError as exc:  # on every rank, at the first micro-batch: no rank waits for another
+        out["by_hand"] = (str(exc), by_hand.global_step)
+    by_hand.close()
+
+    keyed = gan.make_handler(batch_size=PER_RANK, n=N, step=_keys_of_this_rank, validation_step=_keys_of_this_rank)
+    keyed.set_val_loader(gan.make_data(16, seed=5), batch_size=PER_RANK)
+    keyed.train(1, progress=False)
+    out["keyed"] = {k: v for k, v in keyed.history.last().items() if k.startswith(("train_", "val_"))}
+    keyed.close()
     return out
+
+
+def _keys_of_this_rank(ctx, batch):
+    """Keys that differ between the ranks, in name and in number: rank 0 returns "r0", rank 1 "r1" and "extra"."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if ctx.training:
+        gan.gan_step(ctx, batch)
+    values = {"loss": torch.tensor(1.0), f"r{rank}": torch.tensor(rank + 1.0)}
+    return {**values, "extra": 5.0} if rank == 1 else values
+
+
+def _stepped_by_hand(ctx, batch):
+    """Plain PyTorch in a step: off the group's last micro-batch, each rank would step on its own gradients."""
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    loss.backward()
+    ctx.optimizers["D"].step()
+    return loss
 
 
 def _two_passes_through_one_forward(ctx, batch):
@@ -125,6 +158,12 @@ def test_a_gan_trains_on_2_ranks_as_one_process_on_the_global_batch_under_ddp_an
         message, steps = got["two_passes"]
         assert steps == 0 and message.startswith("ctx.backward after a ctx.backward(..., retain_graph=True): under "
                                                  "DDP a second backward through the same forward is not averaged")
+        message, steps = got["by_hand"]
+        assert steps == 0 and message.startswith("optimizer 'D' was stepped by hand (optimizer.step()) in the "
+                                                 "training step: call ctx.backward(loss) and ctx.step('D')")
+        # The union of the ranks' keys, each averaged over the batches that reported it, never one in another's column.
+        assert got["keyed"] == {"train_loss": 1.0, "train_r0": 1.0, "train_r1": 2.0, "train_extra": 5.0,
+                                "val_loss": 1.0, "val_r0": 1.0, "val_r1": 2.0, "val_extra": 5.0}, f"rank {rank}"
     # The resumed run's history of the part-way epoch is the straight run's (no row of the part is left).
     assert results[0]["fsdp_resumed_history"]["epoch"] == [1, 2]
     torch.testing.assert_close(results[0]["ddp"], results[1]["ddp"], rtol=0, atol=0)  # the ranks agree

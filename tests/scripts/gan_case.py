@@ -1,9 +1,9 @@
 """A small GAN (two models, two optimizers) in NNHandler with its own step, and the same training hand-written.
 
 Imported by the step tests (as ``scripts.gan_case``). The hand-written loop
-is PyTorch's DCGAN recipe with torch's AMP recipe for several optimizers: one
-GradScaler, ``scaler.step`` per optimizer, ``scaler.update()`` once per
-iteration. It sees what ``world_size`` DDP ranks see together: unshuffled
+is PyTorch's DCGAN recipe with one GradScaler for both optimizers, updated
+after every optimizer step (``scaler.step(opt); scaler.update()``, as Lightning,
+Fabric and Accelerate do). It sees what ``world_size`` DDP ranks see together: unshuffled
 shards of ``batch_size`` per rank make, step by step, the global batch of
 ``batch_size * world_size`` consecutive samples, and DDP's gradient average
 over equal shards is the gradient of the global batch's mean loss.
@@ -96,7 +96,11 @@ def reference(amp=False, epochs: int = 2, batch_size: int = 8, n: int = 64, worl
         loss = loss / accum if accum > 1 else loss
         (scaler.scale(loss) if scaler else loss).backward()
         if last:
-            scaler.step(opts[name]) if scaler else opts[name].step()
+            if scaler:
+                scaler.step(opts[name])
+                scaler.update()
+            else:
+                opts[name].step()
             opts[name].zero_grad(set_to_none=True)
 
     history = {"train_loss": [], "train_d": [], "train_g": []}
@@ -116,8 +120,6 @@ def reference(amp=False, epochs: int = 2, batch_size: int = 8, n: int = 64, worl
             with autocast():
                 loss_g = _bce(D(fake), ones)
             backward_and_step(loss_g, "G", last)
-            if scaler and last:
-                scaler.update()
             values = torch.stack([loss_d + loss_g, loss_d, loss_g]).detach().to(torch.float64)
             sums += values * real.size(0)
             count += real.size(0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from nn_handler import ConfigurationError, EarlyStopping, ModelCheckpoint, NNHandler
+from nn_handler import Callback, ConfigurationError, EarlyStopping, ModelCheckpoint, NNHandler
 from scripts.handler_case import make_data, make_model, mae
 
 
@@ -114,6 +114,65 @@ def test_ema_refuses_bad_decay_and_sharded_models():
     view = types.SimpleNamespace(module=nn.Sequential(block))
     with pytest.raises(ConfigurationError, match="strategy='fsdp'"):
         EMA().on_train_begin(view)
+
+
+class _WeightsAfterEachBatch(Callback):
+    def __init__(self, name):
+        self.name, self.seen = name, []
+
+    def on_batch_end(self, handler, step, loss):
+        self.seen.append([p.detach().clone() for p in handler.models[self.name].parameters()])
+
+
+def _average(seen, decay):
+    """The EMA of the weights seen after each training step, the first copied."""
+    average = seen[0]
+    for weights in seen[1:]:
+        average = [decay * a + (1 - decay) * w for a, w in zip(average, weights)]
+    return average
+
+
+def _backbone_then_head(ctx, batch):
+    x, y = batch
+    loss = nn.functional.mse_loss(ctx.model(x), y)
+    ctx.backward(loss)
+    ctx.step("backbone")
+    ctx.step("head")
+    return loss
+
+
+def test_ema_updates_once_per_training_step_however_many_optimizers_stepped():
+    model = make_model()
+    optimizers = {"backbone": torch.optim.SGD(model[0].parameters(), lr=0.05),
+                  "head": torch.optim.SGD(model[2].parameters(), lr=0.2)}
+    ema, weights = EMA(decay=0.9), _WeightsAfterEachBatch("model")
+    handler = NNHandler(model, optimizers, training_step=_backbone_then_head, callbacks=[weights, ema], device="cpu")
+    handler.set_train_loader(make_data(32), batch_size=8, shuffle=False)
+    handler.train(1, progress=False)
+    assert len(weights.seen) == handler.global_step == 4
+    for got, want in zip(ema.module.module.parameters(), _average(weights.seen, 0.9)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert int(ema.module.n_averaged) == 4
+
+
+def test_ema_of_one_model_of_several_by_name():
+    from scripts import gan_case as gan
+
+    ema, weights = EMA(decay=0.8, model="G"), _WeightsAfterEachBatch("G")
+    handler = gan.make_handler(n=32, callbacks=[weights, ema])
+    handler.train(1, progress=False)
+    for got, want in zip(ema.module.module.parameters(), _average(weights.seen, 0.8)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    trained = gan.flat(handler.models["G"])
+    with ema.swapped(handler):  # G holds the average, D is untouched
+        torch.testing.assert_close(gan.flat(handler.models["G"]), gan.flat(ema.module.module), rtol=0, atol=0)
+    assert torch.equal(gan.flat(handler.models["G"]), trained)
+    with pytest.raises(ConfigurationError, match=r"EMA\(model='E'\): no model of that name; this handler's are "
+                                                 r"'G', 'D'"):
+        EMA(model="E").on_train_begin(handler)
+    with pytest.raises(ConfigurationError, match=r"EMA: this handler has 2 models \('G', 'D'\): name the one to "
+                                                 r"average, EMA\(decay, model='G'\)"):
+        EMA().on_train_begin(handler)
 
 
 # ----------------------------------------------------------------------------- ModelCheckpoint(save_top_k=)

@@ -420,3 +420,26 @@ def test_a_distributed_samplers_padding_is_trained_on_but_not_counted_in_the_his
         assert history["train_mae"][0] == pytest.approx(mae(model(X[real]), y[real]).item(), rel=1e-6)
         # The hooks see the loss that was trained on: the whole last batch, padding included.
         assert losses.trained[-1] == pytest.approx(nn.functional.mse_loss(model(X[rows[4:]]), y[rows[4:]]).item())
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_tensors_are_batched_by_index_with_a_tensor_datasets_order_history_and_resume(tmp_path, drop_last):
+    X, y = make_data(44)  # batches of 8: 5 full ones and one of 4 (dropped with drop_last)
+    runs = {}
+    for kind in ("tuple", "dataloader", "stopped", "resumed"):
+        handler = make_handler(seed=0, checkpoint_dir=tmp_path / kind if kind != "resumed" else tmp_path / "stopped",
+                               resume="auto" if kind == "resumed" else None)
+        data = DataLoader(TensorDataset(X, y), batch_size=8, shuffle=True, drop_last=drop_last) \
+            if kind == "dataloader" else (X, y)
+        handler.set_train_loader(data, **({} if kind == "dataloader" else
+                                          {"batch_size": 8, "shuffle": True, "drop_last": drop_last}))
+        handler.set_val_loader((X[:12], y[:12]), batch_size=8)
+        handler.train(3, max_steps=8 if kind == "stopped" else None, progress=False)
+        runs[kind] = handler
+    assert type(runs["tuple"].train_loader.dataset).__name__ == "IndexedTensors"  # one gather a batch
+    assert type(runs["dataloader"].train_loader.dataset) is TensorDataset  # a user's DataLoader as given
+    for kind in ("dataloader", "resumed"):  # bit-identical: the same batches, in the same order
+        assert weights(runs[kind].model) == weights(runs["tuple"].model), kind
+        for key in ("train_loss", "train_mae", "val_loss", "val_mae"):
+            assert runs[kind].history[key] == runs["tuple"].history[key], (kind, key)
+    assert torch.equal(runs["tuple"].predict(X), runs["dataloader"].predict(DataLoader(TensorDataset(X), 8)))

@@ -276,14 +276,6 @@ def _returns_no_loss(ctx, batch):
     return {"d": gan.gan_step(ctx, batch)["d"]}
 
 
-_keys = iter(range(1000))
-
-
-def _changes_keys(ctx, batch):
-    values = gan.gan_step(ctx, batch)
-    return values if next(_keys) % 2 == 0 else {"loss": values["loss"]}
-
-
 @pytest.mark.parametrize("step, message", [
     (_steps_unknown, r"ctx.step\('generator'\): no optimizer of that name; this handler's are 'G', 'D'"),
     (_steps_unnamed, r"ctx.step\(\) needs the optimizer's name: this handler has 'G', 'D'"),
@@ -291,7 +283,6 @@ def _changes_keys(ctx, batch):
                        r".*got None \(does the step end with `return loss`\?\)"),
     (_returns_a_vector, r"training_step must return the loss .*got a tensor of shape \(8,\)"),
     (_returns_no_loss, r"got a mapping without 'loss' \(keys: d\)"),
-    (_changes_keys, r"training_step returned \['loss', 'd', 'g'\] first and \['loss'\] now: return the same keys"),
 ])
 def test_a_step_that_misuses_its_context_or_returns_no_loss_is_named_at_the_first_batch(step, message):
     handler = _gan_handler(step)
@@ -405,6 +396,78 @@ def test_an_optimizer_stepped_twice_in_one_step_under_fp16():
     assert torch.isfinite(gan.flat(handler.models["G"], handler.models["D"])).all()
 
 
+def _critics_then_generator(G, D, real, z, backward, step, autocast, n_critic, poisoned):
+    """A GAN step with ``n_critic`` critic steps, written once for the handler and for the hand loop.
+
+    ``poisoned(k)`` (``k``: the critic's step, or ``"G"``) makes that backward's gradients infinite (a hook on its
+    loss; the loss itself stays finite), so that the fp16 scaler skips that optimizer step and backs off.
+    """
+    ones = torch.ones(real.size(0), 1)
+    for k in range(n_critic):
+        with autocast():
+            loss_d = gan._bce(D(real), ones) + gan._bce(D(G(z).detach()), torch.zeros_like(ones))
+        if poisoned(k):
+            loss_d.register_hook(lambda grad: grad * float("inf"))
+        backward(loss_d)
+        step("D")
+    with autocast():
+        loss_g = gan._bce(D(G(z)), ones)
+    if poisoned("G"):
+        loss_g.register_hook(lambda grad: grad * float("inf"))
+    backward(loss_g)
+    step("G")
+    return {"loss": loss_d + loss_g, "g": loss_g}
+
+
+# Which backward's gradients are infinite, by the training step (from 0) of 6: a critic's step, G's, or both.
+_POISON = {1: {0}, 2: {"G"}, 3: {0, "G"}, 4: {1, 2}}
+
+
+@pytest.mark.parametrize("n_critic, accum", [(1, 1), (3, 1), (1, 2)])
+def test_fp16_updates_the_scale_after_every_optimizer_step_as_the_hand_written_loop(n_critic, accum):
+    epochs, n = 1, 48 * accum  # 6 training steps
+
+    def step(ctx, batch):
+        poisoned = _POISON.get(ctx.global_step, set()).__contains__ if ctx.is_last_micro_batch else lambda k: False
+        return _critics_then_generator(ctx.models["G"], ctx.models["D"], *batch, ctx.backward, ctx.step,
+                                       ctx.autocast, n_critic, poisoned)
+
+    handler = gan.make_handler("fp16", n=n, step=step, grad_accum_steps=accum)
+    handler.train(epochs, progress=False)
+
+    # The hand-written loop: torch's recipe, scaler.step(opt) then scaler.update() after every optimizer step.
+    G, D = gan.make_models()
+    opts = gan.make_optimizers(G, D)
+    scaler = torch.amp.GradScaler("cpu")
+    real_all, z_all = gan.make_data(n)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+
+    def hand_step(name):
+        if not last:
+            return
+        waiting = [p for m in (G, D) for p in m.parameters() if p.grad is not None]
+        scaler.step(opts[name])
+        opts[name].zero_grad(set_to_none=True)
+        before = scaler.get_scale()
+        scaler.update()
+        for p in waiting:  # with accumulation: the other optimizer's gradients, made at the old scale, follow it
+            if p.grad is not None:
+                p.grad *= scaler.get_scale() / before
+
+    for epoch in range(epochs):
+        for i, start in enumerate(range(0, n, 8)):
+            if i % accum == 0:
+                for opt in opts.values():
+                    opt.zero_grad(set_to_none=True)
+            last = (i + 1) % accum == 0
+            poisoned = _POISON.get(epoch * 6 + i // accum, set()).__contains__ if last else lambda k: False
+            _critics_then_generator(G, D, real_all[start:start + 8], z_all[start:start + 8],
+                                    lambda loss: scaler.scale(loss / accum if accum > 1 else loss).backward(),
+                                    hand_step, autocast, n_critic, poisoned)
+    assert handler.scaler.get_scale() == scaler.get_scale() <= 2.0 ** 16 / 16  # every skipped step backed off
+    torch.testing.assert_close(gan.flat(handler.models["G"], handler.models["D"]), gan.flat(G, D), **TOL)
+
+
 def test_a_refused_setting_leaves_the_handler_as_it_was():
     model = nn.Linear(3, 1)
     handler = NNHandler(model, torch.optim.SGD, nn.MSELoss(), optimizer_kwargs={"lr": 0.1})
@@ -434,3 +497,136 @@ def test_an_unsized_loader_ending_inside_a_group_steps_what_its_last_micro_batch
     handler.train(1, progress=False)
     assert handler.global_step == 3
     assert [c for c in hooks.calls if c[0] == "after"] == [("after", n, n) for n in (1, 1, 2, 2, 3, 3)]
+
+
+# ----------------------------------------------------------------------------- an optimizer stepped by hand
+def _plain_pytorch(ctx, batch):
+    """What a plain-PyTorch hand types first: its own backward and optimizer step."""
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    loss.backward()
+    ctx.optimizers["D"].step()
+    return loss
+
+
+def test_an_optimizer_stepped_by_hand_in_the_step_is_refused_at_its_first_occurrence():
+    handler = gan.make_handler(step=_plain_pytorch, grad_accum_steps=2)
+    before = gan.flat(handler.models["D"])
+    with pytest.raises(ConfigurationError, match=r"optimizer 'D' was stepped by hand \(optimizer.step\(\)\) in the "
+                                                 r"training step: call ctx.backward\(loss\) and ctx.step\('D'\)"):
+        handler.train(1, progress=False)
+    # Refused before it stepped, on the first (non-final) micro-batch, where DDP ranks would have diverged.
+    assert handler.global_step == 0 and torch.equal(gan.flat(handler.models["D"]), before)
+    handler.optimizers["D"].step()  # outside a training step it is the user's own business
+    assert not any(opt._optimizer_step_pre_hooks for opt in handler.optimizers.values())  # nothing left behind
+
+
+# ----------------------------------------------------------------------------- keys on some batches only
+def _wgan_generator_every_other_step(ctx, batch):
+    """The critic every step, the generator every other one: its loss is returned on its own steps only."""
+    real, z = batch
+    G, D = ctx.models["G"], ctx.models["D"]
+    loss_d = D(G(z).detach()).mean() - D(real).mean()
+    ctx.backward(loss_d)
+    ctx.step("D")
+    if ctx.global_step % 2 == 0:
+        return {"loss": loss_d, "d": loss_d}
+    loss_g = -D(G(z)).mean()
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return {"loss": loss_d, "g": loss_g, "d": loss_d}
+
+
+def test_a_key_returned_on_some_batches_is_averaged_over_those_and_resumes_bit_identically(tmp_path):
+    n = 48  # 6 batches of 8 an epoch: the generator's loss on 3 of them
+    straight = gan.make_handler(n=n, step=_wgan_generator_every_other_step)
+    history = straight.train(2, progress=False)
+    G, D = gan.make_models()
+    opts = gan.make_optimizers(G, D)
+    real_all, z_all = gan.make_data(n)
+    want = {"train_loss": [], "train_d": [], "train_g": []}
+    for epoch in range(2):
+        d, g = [], []
+        for i, start in enumerate(range(0, n, 8)):
+            real, z = real_all[start:start + 8], z_all[start:start + 8]
+            for opt in opts.values():
+                opt.zero_grad(set_to_none=True)
+            loss_d = D(G(z).detach()).mean() - D(real).mean()
+            loss_d.backward()
+            opts["D"].step()
+            opts["D"].zero_grad(set_to_none=True)
+            d.append(loss_d.item())
+            if (epoch * 6 + i) % 2 == 1:
+                loss_g = -D(G(z)).mean()
+                loss_g.backward()
+                opts["G"].step()
+                g.append(loss_g.item())
+        want["train_loss"].append(sum(d) / len(d))
+        want["train_d"].append(sum(d) / len(d))
+        want["train_g"].append(sum(g) / len(g))  # over the generator's batches only, as Lightning's self.log
+    for key, values in want.items():
+        assert history[key] == pytest.approx(values, abs=1e-6), key
+    torch.testing.assert_close(gan.flat(straight.models["G"], straight.models["D"]), gan.flat(G, D), **TOL)
+
+    stopped = gan.make_handler(n=n, step=_wgan_generator_every_other_step, checkpoint_dir=tmp_path)
+    stopped.train(2, max_steps=9, progress=False)  # 3 batches into epoch 2: "g" came with 1 of them (2 on resume)
+    resumed = gan.make_handler(n=n, step=_wgan_generator_every_other_step, checkpoint_dir=tmp_path, resume="auto")
+    resumed.train(2, progress=False)
+    for key in ("epoch", "train_loss", "train_d", "train_g"):
+        assert resumed.history[key] == straight.history[key], key
+    torch.testing.assert_close(gan.flat(resumed.models["G"], resumed.models["D"]), gan.flat(G, D), **TOL)
+
+
+# ----------------------------------------------------------------------------- optimizer steps that never happen
+def _steps_nothing(ctx, batch):
+    loss = ctx.models["D"](batch[0]).pow(2).mean()
+    ctx.backward(loss)
+    return loss  # no ctx.step: nothing trains
+
+
+def _steps_d_too_early(ctx, batch):
+    """D asked to step on the group's first micro-batch only: dropped, since optimizers step on the last."""
+    real, z = batch
+    loss_d = ctx.models["D"](real).pow(2).mean()
+    ctx.backward(loss_d)
+    if not ctx.is_last_micro_batch:
+        ctx.step("D")
+    loss_g = ctx.models["D"](ctx.models["G"](z)).mean()
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return loss_d + loss_g
+
+
+@pytest.mark.parametrize("step, accum, said", [
+    (_steps_nothing, 1, "training step 1 called no ctx.step(): optimizer 'G', optimizer 'D' did not step, so the "
+                        "step trained nothing"),
+    (_steps_d_too_early, 2, "training step 1: ctx.step('D') was called on an earlier micro-batch of its accumulation "
+                            "group but not on the last, where an optimizer steps: optimizer 'D' did not step"),
+])
+def test_an_optimizer_step_that_never_happens_is_said_once_naming_the_optimizer(step, accum, said, caplog):
+    handler = gan.make_handler(n=32, step=step, grad_accum_steps=accum)
+    with caplog.at_level(logging.WARNING, logger="nn_handler"):
+        handler.train(2, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "ctx.step" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(said), warnings
+
+
+def _plain_backward(ctx, batch):
+    real, _ = batch
+    loss = ctx.models["D"](real).pow(2).mean()
+    loss.backward()  # neither scaled under fp16 nor divided by grad_accum_steps
+    ctx.step("D")
+    return loss
+
+
+@pytest.mark.parametrize("amp, accum, why", [("fp16", 1, "not scaled for fp16"),
+                                             (False, 2, "not divided by grad_accum_steps")])
+def test_a_plain_backward_before_ctx_step_is_refused_where_its_gradients_would_be_wrong(amp, accum, why):
+    handler = gan.make_handler(amp, n=16, step=_plain_backward, grad_accum_steps=accum)
+    before = gan.flat(handler.models["D"])
+    with pytest.raises(ConfigurationError, match=rf"ctx.step\('D'\) after no ctx.backward in this accumulation group: "
+                                                 rf"gradients from a plain loss.backward\(\) are {why}; call "
+                                                 rf"ctx.backward\(loss\)"):
+        handler.train(1, progress=False)
+    assert torch.equal(gan.flat(handler.models["D"]), before)
+    gan.make_handler(n=16, step=_plain_backward).train(1, progress=False)  # fp32, no accumulation: the same numbers

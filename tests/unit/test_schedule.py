@@ -257,3 +257,54 @@ def test_seed_everything_is_public_and_seeds_random_numpy_torch_and_loader_worke
     assert len({tuple(row.tolist()) for row in wa}) == 4  # the workers' streams differ from each other
     with pytest.raises(ConfigurationError, match="seed must be an int"):
         seed_everything("0")
+
+
+class NamedSteps(Callback):
+    """Hooks written with the third parameter: they get the optimizer's name."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_before_optimizer_step(self, handler, step, name):
+        self.calls.append(("before", step, name))
+
+    def on_optimizer_step(self, handler, step, name):
+        self.calls.append(("after", step, name, handler.optimizers[name].param_groups[0]["lr"]))
+
+
+def _three_critic_steps(ctx, batch):
+    real, z = batch
+    G, D = ctx.models["G"], ctx.models["D"]
+    for _ in range(3):
+        loss_d = D(G(z).detach()).mean() - D(real).mean()
+        ctx.backward(loss_d)
+        ctx.step("D")
+    loss_g = -D(G(z)).mean()
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return loss_d + loss_g
+
+
+def test_a_per_step_schedule_steps_once_per_training_step_under_an_inner_loop():
+    from scripts import gan_case as gan
+
+    G, D = gan.make_models()
+    opts = gan.make_optimizers(G, D)
+    epochs, steps = 2, 4  # 32 samples in batches of 8
+    one_cycle_d = lr_scheduler.OneCycleLR(opts["D"], max_lr=0.1, total_steps=epochs * steps)  # sized in training steps
+    named = NamedSteps()
+    handler = NNHandler({"G": G, "D": D}, opts, training_step=_three_critic_steps, scheduler={"D": one_cycle_d},
+                        callbacks=[named], device="cpu")
+    handler.set_train_loader(gan.make_data(32), batch_size=8, shuffle=False)
+    assert handler.steps_per_epoch == steps
+    handler.train(epochs, progress=False)  # the critic's 24 optimizer steps would overrun the 8-step cycle
+    assert one_cycle_d.last_epoch == epochs * steps
+    reference = lr_scheduler.OneCycleLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), max_lr=0.1,
+                                        total_steps=epochs * steps)
+    want = []
+    for n in range(1, epochs * steps + 1):
+        lr = reference.get_last_lr()[0]
+        want += [("before", n, "D"), ("after", n, "D", lr)] * 3 + [("before", n, "G"), ("after", n, "G", gan.LR_G)]
+        reference.step()
+    assert [c[:3] for c in named.calls] == [c[:3] for c in want]
+    assert [c[3] for c in named.calls if c[0] == "after"] == pytest.approx([c[3] for c in want if c[0] == "after"])
