@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from typing import Any, Mapping
 
 from .._checks import check_choice, check_number, invalid
@@ -82,7 +83,7 @@ class WandbLogger(TrackerLogger):
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
         import wandb
 
-        self.run_id = run_id or wandb.util.generate_id()
+        self.run_id = run_id or uuid.uuid4().hex[:12]  # W&B's run ids: letters and digits
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
         settings = wandb.Settings(init_timeout=self.init_timeout_s, finish_timeout=self.end_timeout_s,

@@ -1,0 +1,82 @@
+"""Every value a training step returns, per step, in TensorBoardLogger and CSVLogger; the on_exception hook."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from nn_handler.callbacks import Callback, CSVLogger
+from scripts.tracker_case import EVERY, TwoLosses, train_two_losses
+
+
+def test_csv_logger_writes_every_value_the_step_returns_per_step_and_a_resume_drops_what_follows_it(tmp_path):
+    step = TwoLosses()
+    logger = CSVLogger(tmp_path / "log.csv", log_every_n_steps=EVERY)
+    train_two_losses([logger], step)
+    with open(tmp_path / "log_steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    want = step.step_means(EVERY)
+    assert [int(r["step"]) for r in rows] == list(want)
+    for row, (s, values) in zip(rows, want.items()):
+        for name, value in values.items():
+            assert float(row[name]) == pytest.approx(value, rel=1e-6), (s, name)
+        assert float(row["lr_group0"]) == 0.05
+    assert (tmp_path / "log.csv").read_text().splitlines()[0].startswith("epoch,train_loss")
+
+    # A run that starts again at step 6 (a resume from a checkpoint written there) keeps steps 3 and 6 only,
+    # then appends its own.
+    again = CSVLogger(tmp_path / "log.csv", log_every_n_steps=EVERY)
+
+    class At6:
+        is_main_process, global_step = True, 6
+
+    again.on_train_begin(At6())
+    again.on_train_end(At6())
+    with open(tmp_path / "log_steps.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [3, 6]
+
+
+class Ends(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_end(self, handler):
+        self.seen.append("end")
+
+    def on_exception(self, handler, exception):
+        self.seen.append(exception)
+
+
+def test_callbacks_hear_of_the_exception_that_ends_training():
+    step = TwoLosses()
+
+    def failing(ctx, batch):
+        if len(step.seen) == 5:
+            raise ValueError("bad batch")
+        return step(ctx, batch)
+
+    ends = Ends()
+    with pytest.raises(ValueError, match="bad batch"):
+        train_two_losses([ends], failing)
+    [exc] = ends.seen  # no on_train_end
+    assert isinstance(exc, ValueError) and str(exc) == "bad batch"
+
+    ok = Ends()
+    train_two_losses([ok], TwoLosses(), epochs=1)
+    assert ok.seen == ["end"]
+
+
+def test_an_on_exception_hook_that_raises_does_not_hide_the_training_error(caplog):
+    class Broken(Callback):
+        def on_exception(self, handler, exception):
+            raise RuntimeError("hook broke")
+
+    def failing(ctx, batch):
+        raise ValueError("bad batch")
+
+    ends = Ends()
+    with pytest.raises(ValueError, match="bad batch"):
+        train_two_losses([Broken(), ends], failing)
+    assert len(ends.seen) == 1  # the next callback still heard of it
+    assert "Broken.on_exception raised" in caplog.text
