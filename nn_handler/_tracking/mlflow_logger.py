@@ -64,7 +64,7 @@ class MLflowLogger(TrackerLogger):
         hparams: Hyperparameters (str -> bool, int, float or str), logged once as parameters.
         log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
         fallback_dir: Where unsent records are written when training ends.
-        end_timeout_s: How long the end of ``train()`` waits for unsent records.
+        end_timeout_s: How long the end of ``train()`` waits for records unsent to a server.
 
     Raises:
         MissingExtraError: MLflow is not installed (``pip install 'nn_handler[mlflow]'``).
@@ -109,12 +109,17 @@ class MLflowLogger(TrackerLogger):
     def _end(self, state: str, failure: str | None) -> None:
         self._sender.put({"kind": "end", "state": state, "failure": failure, "time_ms": _now_ms()})
         name = f"mlflow-unsent-{self.run_id or 'unstarted-run'}-{os.getpid()}.jsonl"
-        self._sender.close(self.end_timeout_s, self.fallback_dir / name)
+        self._sender.close(self._wait_s(), self.fallback_dir.resolve() / name)
         self._sender = None
+
+    def _wait_s(self) -> float | None:
+        """How long training waits for the sender: bounded for a server, not for a local store (no network)."""
+        remote = (self.tracking_uri or _default_uri()).split(":", 1)[0] in ("http", "https", "databricks")
+        return self.end_timeout_s if remote else None
 
     def state_dict(self) -> dict[str, Any]:
         if self._sender is not None and self.run_id is None:
-            self._sender.flush(self.end_timeout_s)  # the run being created: its id belongs in this checkpoint
+            self._sender.flush(self._wait_s())  # the run being created: its id belongs in this checkpoint
         return super().state_dict()
 
     # --------------------------------------------------------------------- the sender thread's side
@@ -180,6 +185,12 @@ class MLflowLogger(TrackerLogger):
         from mlflow.entities import Param
 
         return [Param(k, v) for k, v in record["values"].items()] if record["kind"] == "params" else []
+
+
+def _default_uri() -> str:
+    import mlflow
+
+    return mlflow.get_tracking_uri()
 
 
 def _now_ms() -> int:

@@ -37,6 +37,17 @@ log = logging.getLogger("nn_handler.loggers")
 Record = dict[str, Any]
 
 
+class _QuietRetries(logging.Filter):
+    """Drops the HTTP library's per-retry warnings of a sender thread: one warning of ours says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.threadName.startswith(_THREAD_PREFIX)
+
+
+_THREAD_PREFIX = "nn_handler sender"
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietRetries())
+
+
 class Sender:
     """Sends queued records with ``send(records)`` from a daemon thread; see the module's docstring.
 
@@ -54,7 +65,7 @@ class Sender:
         self._wake = threading.Condition()
         self._closing = False
         self.failing: BaseException | None = None  # the error of the last failed send, None once one worked
-        self._thread = threading.Thread(target=self._run, name=f"nn_handler {what} sender", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{_THREAD_PREFIX}: {what}", daemon=True)
         self._thread.start()
 
     def put(self, record: Record) -> None:
@@ -91,20 +102,22 @@ class Sender:
                     self.failing = None
                 self._wake.notify_all()
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the queue to be sent; True if it was."""
-        deadline = time.monotonic() + timeout_s
+    def flush(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` (None: no bound) for the queue to be sent; True if it was (False at once
+        while sends fail)."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         with self._wake:
             self._wake.notify_all()
             while self._queue or self._in_flight:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
+                if left <= 0 or not self._thread.is_alive() or self.failing is not None:
                     return False
                 self._wake.wait(min(left, 0.5))
         return True
 
-    def close(self, timeout_s: float, fallback: Path | None) -> list[Record]:
-        """Send what is queued within ``timeout_s``, stop the thread; write the unsent to ``fallback`` (returned)."""
+    def close(self, timeout_s: float | None, fallback: Path | None) -> list[Record]:
+        """Send what is queued within ``timeout_s`` (None: no bound), stop the thread; write the unsent to
+        ``fallback`` (returned)."""
         with self._wake:
             self._closing = True
             self._wake.notify_all()
