@@ -54,7 +54,7 @@ class WandbLogger(TrackerLogger):
         hparams: Hyperparameters (str -> bool, int, float or str), in the run's config.
         log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
         init_timeout_s: How long starting the run may wait for W&B before going offline.
-        end_timeout_s: How long the end of ``train()`` waits for W&B's uploads.
+        end_timeout_s: How long the end of ``train()`` waits for W&B's uploads (offline, the end is waited for).
 
     Raises:
         MissingExtraError: wandb is not installed (``pip install 'nn_handler[wandb]'``).
@@ -86,7 +86,10 @@ class WandbLogger(TrackerLogger):
         self.run_id = run_id or uuid.uuid4().hex[:12]  # W&B's run ids: letters and digits
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
-        settings = wandb.Settings(init_timeout=self.init_timeout_s, finish_timeout=self.end_timeout_s,
+        offline = (self.mode or os.environ.get("WANDB_MODE")) in ("offline", "dryrun")
+        # finish_timeout bounds the end's uploads; offline, the end only writes local files, and is waited for
+        # (a bound there can cut the run's last records).
+        settings = wandb.Settings(init_timeout=self.init_timeout_s, finish_timeout=0 if offline else self.end_timeout_s,
                                   console="off")  # W&B leaves the training's output alone
         kwargs = dict(project=self.project, dir=self.dir, mode=self.mode, id=self.run_id, resume="allow",
                       reinit="create_new", settings=settings)
