@@ -453,7 +453,7 @@ class CSVLogger(Callback):
 
     def on_batch_end(self, handler, step, loss, outputs=None):
         if self._steps is not None:
-            values = self._series.batch_end(handler.global_step, loss, outputs, handler.optimizers)
+            values = self._series.batch_end(handler.global_step, loss, outputs, handler)
             if values is not None:
                 self._steps.write(handler.global_step, values)
 

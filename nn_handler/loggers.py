@@ -126,7 +126,7 @@ class TensorBoardLogger(Callback):
     def on_batch_end(self, handler: TrainerView, step: int, loss: Any, outputs: Any = None) -> None:
         if self._writer is None:
             return
-        values = self._series.batch_end(handler.global_step, loss, outputs, handler.optimizers)
+        values = self._series.batch_end(handler.global_step, loss, outputs, handler)
         if values is None:
             return
         for name, value in values.items():

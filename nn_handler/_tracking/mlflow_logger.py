@@ -91,10 +91,11 @@ class MLflowLogger(TrackerLogger):
         self._sender: Sender | None = None
         self._client: Any = None
         self._session_opened = False  # the run is open on the server for this train() call
+        self._waited_for_id = False
 
     # --------------------------------------------------------------------- the callback's side (training thread)
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
-        self._session_opened = False
+        self._session_opened = self._waited_for_id = False
         self._sender = Sender(self._send, f"MLflow at {self.tracking_uri or 'the default tracking URI'}")
         self._sender.put({"kind": "open"})
 
@@ -118,7 +119,10 @@ class MLflowLogger(TrackerLogger):
         return self.end_timeout_s if remote else None
 
     def state_dict(self) -> dict[str, Any]:
-        if self._sender is not None and self.run_id is None:
+        if self._sender is not None and self.run_id is None and not self._waited_for_id:
+            # The run being created: its id belongs in this checkpoint. Waited for once: a server that is down
+            # does not slow down every checkpoint.
+            self._waited_for_id = True
             self._sender.flush(self._wait_s())  # the run being created: its id belongs in this checkpoint
         return super().state_dict()
 

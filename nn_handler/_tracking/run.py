@@ -75,7 +75,7 @@ class TrackerLogger(Callback):
     def on_batch_end(self, handler: TrainerView, step: int, loss: Any, outputs: Any = None) -> None:
         if not self._open_run:
             return
-        values = self._series.batch_end(handler.global_step, loss, outputs, handler.optimizers)
+        values = self._series.batch_end(handler.global_step, loss, outputs, handler)
         if values is not None:
             self._log(handler.global_step, {f"step/{name}": v for name, v in values.items()})
 

@@ -10,10 +10,11 @@
 
 Example:
     >>> import torch
+    >>> class Trainer: optimizers = {}  # the learning rates come from the trainer's optimizers
     >>> series = StepSeries(every=2)
     >>> series.epoch_begin(0)
-    >>> series.batch_end(1, torch.tensor(1.0), {"loss": torch.tensor(1.0), "d": 0.5}, {})
-    >>> series.batch_end(2, torch.tensor(3.0), {"loss": torch.tensor(3.0), "d": 1.5}, {})
+    >>> series.batch_end(1, torch.tensor(1.0), {"loss": torch.tensor(1.0), "d": 0.5}, Trainer)
+    >>> series.batch_end(2, torch.tensor(3.0), {"loss": torch.tensor(3.0), "d": 1.5}, Trainer)
     {'train_loss': 3.0, 'train_d': 1.5}
 """
 
@@ -43,9 +44,11 @@ class StepSeries:
         self._pending.clear()
         self._last_step = global_step
 
-    def batch_end(self, global_step: int, loss: Any, outputs: Any,
-                  optimizers: Mapping[str, Any]) -> dict[str, float] | None:
-        """Add a micro-batch; ``{name: value}`` when it ended a step that is logged, else None (nothing read)."""
+    def batch_end(self, global_step: int, loss: Any, outputs: Any, trainer: Any) -> dict[str, float] | None:
+        """Add a micro-batch; ``{name: value}`` when it ended a step that is logged, else None (nothing read).
+
+        ``trainer.optimizers`` is asked for the learning rates at the logged steps only.
+        """
         self._pending.append(_batch_values(loss, outputs))
         if global_step == self._last_step:  # inside an accumulation group
             return None
@@ -57,7 +60,7 @@ class StepSeries:
         for values in batches:
             for name, value in values.items():  # a key some micro-batches did not return: the mean of those that did
                 sums.setdefault(name, []).append(float(value))  # the read (a device sync): at logged steps only
-        return {**{name: sum(v) / len(v) for name, v in sums.items()}, **learning_rates(optimizers)}
+        return {**{name: sum(v) / len(v) for name, v in sums.items()}, **learning_rates(trainer.optimizers)}
 
 
 def _batch_values(loss: Any, outputs: Any) -> dict[str, Any]:

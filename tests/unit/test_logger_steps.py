@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 
 import pytest
 
@@ -80,3 +81,30 @@ def test_an_on_exception_hook_that_raises_does_not_hide_the_training_error(caplo
         train_two_losses([Broken(), ends], failing)
     assert len(ends.seen) == 1  # the next callback still heard of it
     assert "Broken.on_exception raised" in caplog.text
+
+
+@pytest.mark.parametrize("name,module,extra", [("MLflowLogger", "mlflow", "mlflow"), ("WandbLogger", "wandb", "wandb")])
+def test_a_tracker_without_its_extra_names_the_extra_when_created(monkeypatch, name, module, extra):
+    from nn_handler import loggers
+    from nn_handler.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import <module>` raises ImportError
+    with pytest.raises(MissingExtraError, match=rf"pip install 'nn_handler\[{extra}\]'"):
+        getattr(loggers, name)()
+
+
+@pytest.mark.slow  # imports MLflow or W&B (seconds)
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("MLflowLogger", {"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
+    ("MLflowLogger", {"experiment_name": ""}, "experiment_name must be a non-empty str"),
+    ("MLflowLogger", {"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
+    ("WandbLogger", {"mode": "offline=True"}, "mode must be one of"),
+    ("WandbLogger", {"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
+])
+def test_a_tracker_refuses_bad_arguments_when_created(name, kwargs, message):
+    from nn_handler import loggers
+    from nn_handler.errors import ConfigurationError
+
+    pytest.importorskip({"MLflowLogger": "mlflow", "WandbLogger": "wandb"}[name])
+    with pytest.raises(ConfigurationError, match=message):
+        getattr(loggers, name)(**kwargs)
