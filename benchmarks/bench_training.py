@@ -16,6 +16,12 @@ when the loop changes.
 Targets: NNHandler >= 0.97x the hand-written loop's steps/s; on the
 overhead-bound ``--hidden 64`` model >= 0.93x on 1 process, >= 0.97x on 2.
 
+``--loggers`` times NNHandler with each logger attached (``TensorBoardLogger``,
+``CSVLogger``, ``MLflowLogger`` in a ``sqlite:///`` store, ``WandbLogger``
+offline; each with its default ``log_every_n_steps=50``) against none, in the
+same processes, each timed from its epoch's start to its end (a tracker's
+start and end of each ``train()`` call left out). Target: within 1 %.
+
 ``--strategy fsdp`` times ``NNHandler(strategy="fsdp")`` against a
 hand-written FSDP2 loop (``fully_shard`` on every layer, then the root, as
 NNHandler's default policy does); ``both`` runs the DDP and the FSDP pairs in
@@ -161,6 +167,52 @@ def _nn_handler(steps: int, strategy: str = "auto"):
     return epoch
 
 
+def _nn_handler_logged(steps: int, logger: str | None = None):
+    """NNHandler with one logger attached (None: none), timed from the epoch's start to its end (``on_epoch_begin``
+    to ``on_epoch_end``): the per-step cost of logging, without a tracker's start and end of each ``train()``."""
+    import tempfile
+
+    import torch
+    from torch import nn
+
+    from nn_handler import Callback, CSVLogger, NNHandler
+
+    where = tempfile.mkdtemp(prefix="bench-logger-")
+    if logger == "TensorBoard":
+        from nn_handler import TensorBoardLogger
+        callbacks = [TensorBoardLogger(where)]
+    elif logger == "CSV":
+        callbacks = [CSVLogger(f"{where}/log.csv")]
+    elif logger == "MLflow":
+        from nn_handler import MLflowLogger
+        callbacks = [MLflowLogger(f"sqlite:///{where}/mlflow.db", experiment_name="bench")]
+    elif logger == "W&B":
+        from nn_handler import WandbLogger
+        callbacks = [WandbLogger(project="bench", dir=where, mode="offline")]
+    else:
+        callbacks = []
+
+    class EpochClock(Callback):
+        def on_epoch_begin(self, handler, epoch):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, handler, epoch, logs):
+            self.seconds = time.perf_counter() - self.start
+
+    clock = EpochClock()
+    torch.manual_seed(0)
+    handler = NNHandler(_model(), torch.optim.SGD, nn.CrossEntropyLoss(), optimizer_kwargs={"lr": 0.01}, device="cpu",
+                        callbacks=[clock, *callbacks])
+    handler.set_train_loader(_data(steps, handler.world_size), batch_size=BATCH, shuffle=True)
+
+    def epoch(e):
+        handler.train(max_steps=(e + 1) * steps, progress=False)
+        return clock.seconds
+
+    epoch.times_itself = True  # type: ignore[attr-defined]
+    return epoch
+
+
 def _fabric(steps: int):
     import torch
     import torch.distributed as dist
@@ -252,10 +304,19 @@ CONTENDERS = {
     "NNHandler FSDP": (functools.partial(_nn_handler, strategy="fsdp"), ()),
 }
 FSDP = ("hand-written FSDP", "NNHandler FSDP")
+# --loggers: NNHandler with each logger against none, each timed within its epochs.
+LOGGED = {"NNHandler, no logger": (functools.partial(_nn_handler_logged, logger=None), ()),
+          "+ TensorBoardLogger": (functools.partial(_nn_handler_logged, logger="TensorBoard"), ("tensorboard",)),
+          "+ CSVLogger": (functools.partial(_nn_handler_logged, logger="CSV"), ()),
+          "+ MLflowLogger": (functools.partial(_nn_handler_logged, logger="MLflow"), ("mlflow",)),
+          "+ WandbLogger": (functools.partial(_nn_handler_logged, logger="W&B"), ("wandb",))}
+CONTENDERS.update(LOGGED)
 
 
 def _baseline(name: str) -> str:
-    """Each contender is compared with the hand-written loop of its own strategy."""
+    """Each contender is compared with the hand-written loop of its own strategy; a logger with no logger."""
+    if name in LOGGED:
+        return "NNHandler, no logger"
     return "hand-written FSDP" if name in FSDP else "hand-written"
 
 
@@ -278,8 +339,10 @@ def _body(rank: int, names: list[str], steps: int, rounds: int, hidden: int) -> 
             if dist.is_initialized():
                 dist.barrier()  # start every contender's epoch together on all ranks
             start = time.perf_counter()
-            epochs[name](r + 1)
-            rates[name].append(steps / (time.perf_counter() - start))
+            seconds = epochs[name](r + 1)  # a contender that times itself returns its seconds
+            if not getattr(epochs[name], "times_itself", False):
+                seconds = time.perf_counter() - start
+            rates[name].append(steps / seconds)
     # Free the DDP models (they sit in reference cycles) before the process
     # group is destroyed: a gloo group torn down under a live DDP model can
     # abort the process at exit.
@@ -299,10 +362,15 @@ def main() -> None:
                         help="width of the two hidden layers (64: a small, overhead-bound model)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
                         help="DDP contenders, the FSDP pair (NNHandler and a hand-written fully_shard loop), or both")
+    parser.add_argument("--loggers", action="store_true",
+                        help="NNHandler with each logger attached (TensorBoard, CSV, MLflow, W&B offline) against none")
     args = parser.parse_args()
     global SIZES
     SIZES = (SIZES[0], args.hidden, args.hidden, SIZES[-1])
-    wanted = [n for n in CONTENDERS if (n in FSDP) == (args.strategy == "fsdp") or args.strategy == "both"]
+    wanted = [n for n in CONTENDERS if n not in LOGGED
+              and ((n in FSDP) == (args.strategy == "fsdp") or args.strategy == "both")]
+    if args.loggers:
+        wanted = list(LOGGED)
     names = [n for n in wanted if not CONTENDERS[n][1] or _installed(*CONTENDERS[n][1])]
     skipped = [n for n in wanted if n not in names]
     print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "

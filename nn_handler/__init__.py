@@ -49,7 +49,7 @@ _LAZY = {
                         "setup_parallel_model", "unwrap_parallel_model", "dispatch_model", "get_data_parallel_info",
                         "parallel_predict", "plan_device_map", "validate_data_parallel_setup"),
     ".callbacks": ("Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint"),
-    ".loggers": ("TensorBoardLogger",),
+    ".loggers": ("TensorBoardLogger", "MLflowLogger", "WandbLogger"),
     ".handler": ("NNHandler",),
     "._training.context": ("StepContext",),  # what a training_step gets; its home is the trainer's package
     ".history": ("History",),
@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from .history import History
     from ._inference.reader import Predictions
     from .seeding import seed_everything
-    from .loggers import TensorBoardLogger
+    from .loggers import MLflowLogger, TensorBoardLogger, WandbLogger
     from .utils._workers.worker import worker_state
     from .utils.ddp import (
         barrier,
@@ -190,6 +190,8 @@ __all__ = [
     "ModelCheckpoint",
     "CSVLogger",
     "TensorBoardLogger",
+    "MLflowLogger",
+    "WandbLogger",
     "NonFiniteLossError",
     "CheckpointError",
     "CheckpointMismatchError",

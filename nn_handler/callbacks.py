@@ -19,8 +19,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import logging
 import math
 import os
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol, runtime_checkable
 
 from ._checks import check_bool, check_choice, check_int, check_number, invalid
+from ._tracking.csv_files import StepCSV, write_history
+from ._tracking.values import StepSeries
 from .checkpoint import run_checkpoint_name
 from .errors import ConfigurationError
 from .utils.ddp import is_main_process
@@ -112,7 +112,7 @@ class Callback:
         """Before the first epoch of a :meth:`~NNHandler.train` call."""
 
     def on_train_end(self, handler: TrainerView) -> None:
-        """After the last epoch (also after an early stop); not called when training raised."""
+        """After the last epoch (also after an early stop); not called when training raised (see :meth:`on_exception`)."""
 
     def on_epoch_begin(self, handler: TrainerView, epoch: int) -> None:
         """Before the first batch of ``epoch``."""
@@ -128,7 +128,12 @@ class Callback:
 
         Calling ``loss.item()`` here waits for the GPU on every batch; keep it
         for debugging. With ``grad_accum_steps`` > 1 this runs per micro-batch;
-        the two hooks below run once per optimizer step.
+        the two hooks below run once per optimizer step. A hook that takes a
+        fourth parameter, ``on_batch_end(self, handler, step, loss, outputs)``,
+        also gets what the training step returned for the batch, as it
+        returned it (the loss, or the mapping of the loss and the other
+        values), as Lightning's ``on_train_batch_end``: the loggers read the
+        values they log there, at the steps they log only.
         """
 
     def on_before_optimizer_step(self, handler: TrainerView, step: int) -> None:
@@ -153,6 +158,15 @@ class Callback:
 
     def on_validation_end(self, handler: TrainerView, epoch: int, logs: dict[str, float]) -> None:
         """After validation of ``epoch``; ``logs`` has ``val_loss`` and ``val_<metric>``."""
+
+    def on_exception(self, handler: TrainerView, exception: BaseException) -> None:
+        """Training raised ``exception`` (on this rank): before it propagates, instead of ``on_train_end``.
+
+        Also for :class:`~nn_handler.TrainingPreempted` (a preemption's stop)
+        and ``KeyboardInterrupt``; the loggers record how the run ended here.
+        An exception this hook raises is logged, never raised over the
+        training's own.
+        """
 
     def on_save_checkpoint(self, handler: TrainerView, payload: dict[str, Any]) -> None:
         """Before a checkpoint is written; may add entries to ``payload`` (plain values only)."""
@@ -400,14 +414,22 @@ def _remove(path: Path) -> None:
 
 
 class CSVLogger(Callback):
-    """Write the History to a CSV file after every epoch: one row per epoch, one column per key.
+    """Write the History to a CSV file after every epoch, and the values of every ``log_every_n_steps``-th step.
 
-    The whole file is rewritten from the History each time (atomically), so
-    columns that appear later and rows restored by a resume are always in
-    place. Written by rank 0 only.
+    ``path``: one row per epoch, one column per History key. The whole file
+    is rewritten from the History each time (atomically), so columns that
+    appear later and rows restored by a resume are always in place.
+    ``steps_path`` (by default ``<path>`` with ``_steps`` before its suffix):
+    one row per logged step, ``step`` then ``train_loss``, ``train_<key>``
+    for every other value the training step returns (each the mean of the
+    step's micro-batches) and ``lr_group<i>``, as every logger of
+    ``nn_handler`` logs them; a resumed run drops the rows past the step it
+    resumed from, so each step is in the file once. Written by rank 0 only.
 
     Args:
-        path: The CSV file.
+        path: The CSV file of the epochs.
+        log_every_n_steps: A row in ``steps_path`` every this many optimizer steps (>= 1).
+        steps_path: The CSV file of the steps.
 
     Example:
         >>> import tempfile, os
@@ -418,24 +440,38 @@ class CSVLogger(Callback):
         ['epoch,train_loss', '1,0.5']
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, log_every_n_steps: int = 50,
+                 steps_path: str | os.PathLike | None = None):
         self.path = Path(path)
+        self.steps_path = Path(steps_path) if steps_path is not None else self.path.with_name(
+            f"{self.path.stem}_steps{self.path.suffix or '.csv'}")
+        self._series = StepSeries(log_every_n_steps)
+        self._steps: StepCSV | None = None
+
+    def on_train_begin(self, handler):
+        if handler.is_main_process:
+            self._steps = self._steps or StepCSV(self.steps_path)
+            self._steps.open(handler.global_step)
+
+    def on_epoch_begin(self, handler, epoch):
+        self._series.epoch_begin(handler.global_step)
+
+    def on_batch_end(self, handler, step, loss, outputs=None):
+        if self._steps is not None:
+            values = self._series.batch_end(handler.global_step, loss, outputs, handler)
+            if values is not None:
+                self._steps.write(handler.global_step, values)
+
+    def on_train_end(self, handler):
+        if self._steps is not None:
+            self._steps.close()
+
+    def on_exception(self, handler, exception):
+        self.on_train_end(handler)
 
     def on_epoch_end(self, handler, epoch, logs):
-        if not is_main_process():
-            return
-        rows = list(handler.history)
-        columns: list[str] = []
-        for row in rows:
-            columns.extend(k for k in row if k not in columns)
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp.{os.getpid()}")
-        tmp.write_text(buf.getvalue())
-        os.replace(tmp, self.path)  # readers never see a half-written file
+        if is_main_process():
+            write_history(self.path, handler.history)
 
 
 class EMA(Callback):

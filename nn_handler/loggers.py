@@ -1,7 +1,17 @@
-"""Training curves where people look for them: :class:`TensorBoardLogger`, a callback over ``SummaryWriter``.
+"""Training curves where people look for them: TensorBoard, MLflow and Weights & Biases, as callbacks.
 
-Install the extra first: ``pip install 'nn_handler[tensorboard]'``; then
-``tensorboard --logdir runs`` serves the curves at http://localhost:6006.
+- :class:`TensorBoardLogger`: event files (``pip install 'nn_handler[tensorboard]'``;
+  ``tensorboard --logdir runs`` serves them at http://localhost:6006).
+- :class:`MLflowLogger`: an MLflow run (``pip install 'nn_handler[mlflow]'``).
+- :class:`WandbLogger`: a Weights & Biases run (``pip install 'nn_handler[wandb]'``).
+- :class:`~nn_handler.callbacks.CSVLogger` writes CSV files with the same values.
+
+Every logger logs from rank 0 alone, with the same names at the same global
+optimizer steps: ``epoch/<column>`` for every number of a completed epoch's
+History row, at the epoch's last step; ``step/train_loss``, ``step/train_<key>``
+(every value the training step returns, each the mean of the step's
+micro-batches) and ``step/lr_group<i>`` at steps N, 2N, ... (``N =
+log_every_n_steps``), read at those steps only.
 
 Example:
     >>> import tempfile
@@ -18,18 +28,15 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from ._checks import check_int, invalid
 from .callbacks import Callback, TrainerView
+from ._tracking.mlflow_logger import MLflowLogger
+from ._tracking.values import HParam, StepSeries, checked_hparams
+from ._tracking.wandb_logger import WandbLogger
 from .errors import ConfigurationError, MissingExtraError
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["TensorBoardLogger"]
-
-HParam = bool | int | float | str
+__all__ = ["TensorBoardLogger", "MLflowLogger", "WandbLogger"]
 
 
 class TensorBoardLogger(Callback):
@@ -48,9 +55,11 @@ class TensorBoardLogger(Callback):
       ``max_time`` stopped part-way. The run that completes the epoch writes
       its ``epoch/<key>`` point later, so the ``epoch/`` curves have exactly
       one point per completed epoch.
-    - ``step/train_loss``: rank 0's training loss (the mean of the step's
-      micro-batches) every ``log_every_n_steps`` optimizer steps, with
-      ``step/lr_group<i>``, the learning rate of each param group.
+    - ``step/train_loss`` and ``step/train_<key>`` for every other value the
+      training step returns: rank 0's values, each the mean of the step's
+      micro-batches, every ``log_every_n_steps`` optimizer steps (read on the
+      host at those steps only), with ``step/lr_group<i>``, the learning rate
+      of each param group (``step/lr_<optimizer>_group<i>`` with several).
 
     A writer that starts at a global step above 0 (a resumed run) marks that
     step in its file, and TensorBoard drops older points from that step on:
@@ -82,21 +91,16 @@ class TensorBoardLogger(Callback):
                 "TensorBoardLogger needs tensorboard, which is not installed; install the tensorboard extra: "
                 "pip install 'nn_handler[tensorboard]'"
             ) from exc
-        check_int("log_every_n_steps", log_every_n_steps, minimum=1)
-        for key, value in (hparams or {}).items():
-            if not isinstance(key, str):
-                raise invalid("hparams", "a mapping with str keys", key)
-            if not isinstance(value, (bool, int, float, str)):
-                raise invalid(f"hparams[{key!r}]", "a bool, int, float or str", value)
+        series = StepSeries(log_every_n_steps)
+        hparams = checked_hparams(hparams)
         self._summary_writer = SummaryWriter
         self.log_dir = Path(log_dir)
         _check_writable(self.log_dir)  # here, on every rank: not at rank 0's on_train_begin with the raw OS error
         self.log_every_n_steps = log_every_n_steps
-        self.hparams = dict(hparams or {})
+        self.hparams = hparams
         self._writer: Any = None
         self._hparams_written = False
-        self._step_losses: list[torch.Tensor] = []  # the micro-batches of the optimizer step under way
-        self._last_step = -1
+        self._series = series
         self._written_step = 0  # the highest global step written
 
     def on_train_begin(self, handler: TrainerView) -> None:
@@ -117,29 +121,17 @@ class TensorBoardLogger(Callback):
         self._hparams_written = False
 
     def on_epoch_begin(self, handler: TrainerView, epoch: int) -> None:
-        self._step_losses.clear()
-        self._last_step = handler.global_step
+        self._series.epoch_begin(handler.global_step)
 
-    def on_batch_end(self, handler: TrainerView, step: int, loss: torch.Tensor) -> None:
+    def on_batch_end(self, handler: TrainerView, step: int, loss: Any, outputs: Any = None) -> None:
         if self._writer is None:
             return
-        self._step_losses.append(loss)
-        global_step = handler.global_step
-        if global_step == self._last_step:  # inside an accumulation group
+        values = self._series.batch_end(handler.global_step, loss, outputs, handler)
+        if values is None:
             return
-        self._last_step = global_step
-        losses, self._step_losses = self._step_losses, []
-        if global_step % self.log_every_n_steps:
-            return
-        # .item() waits for the device: only on the steps that are logged.
-        mean = sum(float(t) for t in losses) / len(losses)
-        self._writer.add_scalar("step/train_loss", mean, global_step)
-        self._written_step = max(self._written_step, global_step)
-        optimizers = handler.optimizers
-        for name, optimizer in optimizers.items():  # with several optimizers, each by name
-            where = "" if len(optimizers) == 1 else f"{name}_"
-            for i, group in enumerate(optimizer.param_groups):
-                self._writer.add_scalar(f"step/lr_{where}group{i}", float(group["lr"]), global_step)
+        for name, value in values.items():
+            self._writer.add_scalar(f"step/{name}", value, handler.global_step)
+        self._written_step = max(self._written_step, handler.global_step)
 
     def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
@@ -159,6 +151,9 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, handler: TrainerView) -> None:
         if self._writer is not None:
             self._writer.flush()
+
+    def on_exception(self, handler: TrainerView, exception: BaseException) -> None:
+        self.on_train_end(handler)  # what was logged up to the failure is on disk
 
     def close(self) -> None:
         """Flush and close the event file (a later ``train()`` opens a new one)."""

@@ -43,6 +43,7 @@ from . import metrics as M
 from . import uneven as U
 from .config import TrainingConfig
 from .evaluation import eval_sums, validation_runs
+from .hooks import batch_end_calls, notify_exception
 from .parts import Parts, check_frozen_at_wrap
 from .preemption import PREEMPTION_SIGNALS, PreemptionMonitor, SignalCatcher, TrainingPreempted, signal_name
 from .progress import EpochBar
@@ -112,13 +113,15 @@ class Loop:
         self.state.stop_training = False
         self.steps = OptimizerSteps(parts, state, self.config.scheduler_interval)  # refuses a bad interval first
         self.validates = validation_runs(parts, self.config)
-        for cb in parts.callbacks:
-            cb.on_train_begin(parts.view)
         try:
+            for cb in parts.callbacks:
+                cb.on_train_begin(parts.view)
             self._until(limits, validate_every, progress)
-        except Exception as exc:
+        except BaseException as exc:  # TrainingPreempted and Ctrl-C too: a tracker records how the run ended
+            notify_exception(parts.callbacks, parts.view, exc)
             # Outside the SIGTERM catcher: torchrun's SIGTERM ends the wait.
-            wait_if_peer_failed(exc)
+            if isinstance(exc, Exception):
+                wait_if_peer_failed(exc)
             raise
         for cb in parts.callbacks:
             cb.on_train_end(parts.view)
@@ -249,6 +252,7 @@ class Loop:
         check_each_step = not parts.distributed and (config.finite_check_every == 1 or reads.free)
         check_every = None if check_each_step else config.finite_check_every
         steps = MicroBatches.for_training(parts, config, state, self.steps, epoch, check_each_step)
+        batch_ends = batch_end_calls(callbacks)
         max_steps = limits.max_steps
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
@@ -296,8 +300,8 @@ class Loop:
                     sizes.append(keep)
                     if returned:
                         columns.add(returned, keep)
-                    for cb in callbacks:
-                        cb.on_batch_end(view, i, loss)
+                    for batch_end in batch_ends:
+                        batch_end(view, i, loss, steps.returned)
                     if check_every and (i + 1) % check_every == 0:
                         M.raise_if_nonfinite(losses, epoch, device, parts.distributed)
                     if bar is not None:

@@ -191,6 +191,7 @@ class MicroBatches:
                         for name, opt in ctx.optimizers.items()}
         self._pausable = [m for m in ctx.models.values() if can_pause_sync(m)]
         self._starts_group = True
+        self.returned: Any = None  # what fn returned for the last micro-batch (on_batch_end's outputs)
 
     @classmethod
     def for_training(cls, parts: Parts, config: TrainingConfig, state: Any, hooks: OptimizerSteps, epoch: int,
@@ -240,6 +241,7 @@ class MicroBatches:
             self.end_group()
         elif ctx._asked:
             self._asked_in_group.update(ctx._asked)
+        self.returned = result
         loss, values = self.values.read(result)
         return loss, loss if ctx._counted_loss is None else ctx._counted_loss, values
 

@@ -116,7 +116,8 @@ def test_train_ddp_with_launch_and_under_torchrun_agree(tmp_path):
     assert losses[-1] < losses[0]
     for run in ("launch", "torchrun"):
         out_dir = tmp_path / run
-        assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt", "history.csv", "loss_curve.png", "model.pt"]
+        assert sorted(p.name for p in out_dir.iterdir()) == ["ckpt", "history.csv", "history_steps.csv",  # CSVLogger's
+                                                             "loss_curve.png", "model.pt"]
         assert (out_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert len((out_dir / "history.csv").read_text().splitlines()) == 1 + 3
         assert sorted(p.name for p in (out_dir / "ckpt").iterdir()) == ["best.ckpt", "last.ckpt"]

@@ -12,6 +12,7 @@ from torch.utils.data import TensorDataset
 from nn_handler.callbacks import Callback
 from nn_handler.errors import ConfigurationError, MissingExtraError
 from scripts.handler_case import make_data, make_handler, make_model
+from scripts.tracker_case import EVERY, TwoLosses, train_two_losses
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -229,3 +230,14 @@ def test_a_per_step_schedule_s_epoch_lr_after_a_stop_a_resume_or_a_preemption_is
         for key in LEARNING:
             assert handler.history[key] == straight.history[key], (name, key)
         assert read_scalars(tmp_path / name)["epoch/lr"] == want, name
+
+
+def test_tensorboard_logs_every_value_the_step_returns_per_step(tmp_path):
+    step = TwoLosses()
+    train_two_losses([TensorBoardLogger(tmp_path / "tb", log_every_n_steps=EVERY)], step)
+    scalars = read_scalars(tmp_path / "tb")
+    want = step.step_means(EVERY)
+    assert list(want) == [3, 6, 9, 12]
+    for name in ("train_loss", "train_d", "train_g"):
+        assert scalars[f"step/{name}"] == [(s, pytest.approx(v[name], rel=1e-6)) for s, v in want.items()], name
+    assert [s for s, _ in scalars["step/lr_group0"]] == list(want)

@@ -65,6 +65,20 @@ def test_host_reads_per_epoch_do_not_grow_with_the_steps_on_a_device(device_read
         assert many - few <= 32 - 8, (few, many)
 
 
+def test_a_logger_reads_the_step_values_at_its_log_interval_only(device_reads, tmp_path):
+    from nn_handler.callbacks import CSVLogger
+
+    def reads(batches):
+        X, y = make_data(8 * batches)
+        logger = CSVLogger(tmp_path / f"{batches}.csv", log_every_n_steps=8)
+        handler = make_handler(callbacks=[logger])  # the loss and one metric (mae) per step
+        handler.set_train_loader((X, y), batch_size=8)
+        return _count_reads(lambda: handler.train(1, progress=False))
+
+    few, many = reads(8), reads(32)  # 1 and 4 logged steps
+    assert many - few == (4 - 1) * 2, (few, many)  # 2 values a logged step, nothing at the others
+
+
 def test_batches_go_to_a_device_without_waiting(monkeypatch, device_reads):
     copies = []
 

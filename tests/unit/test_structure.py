@@ -28,6 +28,13 @@ NOT_IN_A_WORKER = {
     "nn_handler.handler",
     "nn_handler.callbacks",
     "nn_handler.loggers",
+    "nn_handler._tracking",
+    "nn_handler._tracking.values",
+    "nn_handler._tracking.run",
+    "nn_handler._tracking.sender",
+    "nn_handler._tracking.csv_files",
+    "nn_handler._tracking.mlflow_logger",
+    "nn_handler._tracking.wandb_logger",
     "nn_handler.checkpoint",
     "nn_handler.history",
     "nn_handler._training",
@@ -47,6 +54,7 @@ NOT_IN_A_WORKER = {
     "nn_handler._training.readout",
     "nn_handler._training.schedule",
     "nn_handler._training.report",
+    "nn_handler._training.hooks",
     "nn_handler.seeding",
     "nn_handler.utils._models.wrap",
     "nn_handler.utils._models.data_parallel",
@@ -59,7 +67,7 @@ NOT_IN_A_WORKER = {
 # The worker pool sits below the trainer and the model helpers: it never imports them, not even lazily.
 WORKERS = "nn_handler.utils._workers"
 NOT_FOR_WORKERS = ("nn_handler._training", "nn_handler.handler", "nn_handler.callbacks", "nn_handler.loggers",
-                   "nn_handler.utils._models")
+                   "nn_handler._tracking", "nn_handler.utils._models")
 # All of ours that a worker child may load: the worker loop, its transport, the errors, and the packages above.
 WORKER_CHILD = {"nn_handler", "nn_handler.utils", "nn_handler.utils._workers", "nn_handler.errors",
                 "nn_handler._failure_record",  # the errors' per-rank record
@@ -350,7 +358,8 @@ PUBLIC_NAMES = {
         "is_parallel_available", "get_gpu_memory_info", "print_gpu_memory_info", "get_gpu_stats",
         "get_recommended_batch_size", "dispatch_model", "plan_device_map", "parallel_predict",
         "get_data_parallel_info", "validate_data_parallel_setup", "NNHandler", "StepContext", "History", "Callback",
-        "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TensorBoardLogger", "NonFiniteLossError", "CheckpointError",
+        "EarlyStopping", "ModelCheckpoint", "CSVLogger", "TensorBoardLogger", "MLflowLogger", "WandbLogger",
+        "NonFiniteLossError", "CheckpointError",
         "CheckpointMismatchError", "MissingExtraError", "TrainingPreempted", "PREEMPTED_EXIT_CODE",
         "seed_everything",
     ],
@@ -377,7 +386,7 @@ PUBLIC_NAMES = {
         "CheckpointMismatchError", "MissingExtraError",
     ],
     "nn_handler.callbacks": ["Callback", "EarlyStopping", "ModelCheckpoint", "CSVLogger"],
-    "nn_handler.loggers": ["TensorBoardLogger"],
+    "nn_handler.loggers": ["TensorBoardLogger", "MLflowLogger", "WandbLogger"],
     "nn_handler.checkpoint": [
         "FORMAT", "atomic_save", "load_payload", "load_weights", "state_dict_diff", "capture_rng_state",
         "restore_rng_state", "list_checkpoints", "is_temp_file", "run_checkpoint_name", "run_checkpoint_key",

@@ -1,0 +1,201 @@
+"""MLflowLogger: a run's values, settings and end in MLflow, sent from a thread of its own.
+
+Private: :mod:`nn_handler.loggers` is the public face (the class's docstring is the documentation).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from .._checks import check_number, invalid
+from ..callbacks import TrainerView
+from ..errors import MissingExtraError
+from .run import FAILED, FINISHED, PREEMPTED, TrackerLogger
+from .sender import Record, Sender
+from .values import HParam
+
+_STATUS = {FINISHED: "FINISHED", FAILED: "FAILED", PREEMPTED: "KILLED"}
+_BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics (and 100 parameters) a call
+
+
+class MLflowLogger(TrackerLogger):
+    """Log a run to MLflow: the History per epoch, the step's values and learning rates per step, the settings.
+
+    Rank 0 alone logs. What goes to the MLflow run (names and steps as in
+    every logger of ``nn_handler``; every step is the global optimizer step):
+
+    - ``epoch/<column>``: every number of an epoch's History row
+      (``train_*``, ``val_*``, ``lr*``, ``epoch_time``, ...) at the epoch's
+      last step; the part of an epoch that ``max_steps`` or ``max_time``
+      stopped is not logged (the run that completes it logs the whole epoch).
+    - ``step/train_loss`` and ``step/train_<key>`` for every other value the
+      training step returns (each the mean of the step's micro-batches), and
+      ``step/lr_group<i>``, at steps N, 2N, ... (``N = log_every_n_steps``).
+      They are read at those steps only (no device sync at the others).
+    - Parameters, once per run: the handler's settings (models, optimizers,
+      batch size, ``grad_accum_steps``, ``amp``, world size, ...) and ``hparams``.
+    - The end: status ``FINISHED``, ``FAILED`` (the exception's type in the
+      ``failure`` tag) or ``KILLED`` for a preemption, with the ``end_state``
+      tag ``finished``, ``failed`` or ``preempted``.
+
+    The run id is in the callback's checkpoint state: a resumed handler
+    (``resume="auto"``, ``load_checkpoint``) continues the same run from the
+    checkpoint's step.
+
+    A tracking server that is down never stops training: the records are
+    sent from a thread of their own (training never waits on the network,
+    and MLflow's client may retry a request for minutes), one warning says
+    when sending fails and one when it works again, and unsent records are
+    kept and sent again every few seconds. When training ends, the thread
+    has ``end_timeout_s`` seconds to send the rest; what is still unsent is
+    written to ``<fallback_dir>/mlflow-unsent-<run id>.jsonl``, one JSON
+    record a line (``{"kind": "metrics", "step": ..., "values": {...}}``).
+
+    Args:
+        tracking_uri: ``http://host:port`` of a tracking server, a
+            ``sqlite:///path.db`` store (no server), or None for MLflow's
+            default (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``).
+            MLflow 3 refuses ``file:`` stores unless ``MLFLOW_ALLOW_FILE_STORE=true``.
+        experiment_name: The experiment, created when missing.
+        run_name: The run's name (MLflow makes one up when None).
+        hparams: Hyperparameters (str -> bool, int, float or str), logged once as parameters.
+        log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
+        fallback_dir: Where unsent records are written when training ends.
+        end_timeout_s: How long the end of ``train()`` waits for records unsent to a server.
+
+    Raises:
+        MissingExtraError: MLflow is not installed (``pip install 'nn_handler[mlflow]'``).
+        ConfigurationError: A bad argument.
+    """
+
+    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "Default", run_name: str | None = None,
+                 hparams: Mapping[str, HParam] | None = None, log_every_n_steps: int = 50, *,
+                 fallback_dir: str | os.PathLike = ".", end_timeout_s: float = 10.0):
+        try:
+            import mlflow  # noqa: F401 - here, so that a missing extra shows when the logger is made
+        except ImportError as exc:
+            raise MissingExtraError("MLflowLogger needs mlflow, which is not installed; install the mlflow extra: "
+                                    "pip install 'nn_handler[mlflow]'") from exc
+        super().__init__(hparams, log_every_n_steps)
+        for name, value in (("tracking_uri", tracking_uri), ("run_name", run_name)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise invalid(name, "a non-empty str or None", value)
+        if not isinstance(experiment_name, str) or not experiment_name:
+            raise invalid("experiment_name", "a non-empty str", experiment_name)
+        self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name
+        self.fallback_dir = Path(fallback_dir)
+        self.end_timeout_s = check_number("end_timeout_s", end_timeout_s, strict=False, unit="seconds")
+        self._sender: Sender | None = None
+        self._client: Any = None
+        self._session_opened = False  # the run is open on the server for this train() call
+        self._waited_for_id = False
+
+    # --------------------------------------------------------------------- the callback's side (training thread)
+    def _open(self, run_id: str | None, handler: TrainerView) -> None:
+        self._session_opened = self._waited_for_id = False
+        self._sender = Sender(self._send, f"MLflow at {self.tracking_uri or 'the default tracking URI'}")
+        self._sender.put({"kind": "open"})
+
+    def _log(self, step: int, values: dict[str, float]) -> None:
+        self._sender.put({"kind": "metrics", "step": step, "time_ms": _now_ms(), "values": values})
+
+    def _params(self, params: dict[str, HParam]) -> None:
+        items = [(k, str(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # at most 100 parameters a call
+            self._sender.put({"kind": "params", "values": dict(items[i:i + 100])})
+
+    def _end(self, state: str, failure: str | None) -> None:
+        self._sender.put({"kind": "end", "state": state, "failure": failure, "time_ms": _now_ms()})
+        name = f"mlflow-unsent-{self.run_id or 'unstarted-run'}-{os.getpid()}.jsonl"
+        self._sender.close(self._wait_s(), self.fallback_dir.resolve() / name)
+        self._sender = None
+
+    def _wait_s(self) -> float | None:
+        """How long training waits for the sender: bounded for a server, not for a local store (no network)."""
+        remote = (self.tracking_uri or _default_uri()).split(":", 1)[0] in ("http", "https", "databricks")
+        return self.end_timeout_s if remote else None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._sender is not None and self.run_id is None and not self._waited_for_id:
+            # The run being created: its id belongs in this checkpoint. Waited for once: a server that is down
+            # does not slow down every checkpoint.
+            self._waited_for_id = True
+            self._sender.flush(self._wait_s())  # the run being created: its id belongs in this checkpoint
+        return super().state_dict()
+
+    # --------------------------------------------------------------------- the sender thread's side
+    def _send(self, records: list[Record]) -> None:
+        """Send ``records`` in order, removing each from the list once MLflow has it."""
+        while records:
+            kind = records[0]["kind"]
+            if kind == "open":
+                self._start_run()
+                del records[0]
+            elif kind == "end":
+                self._end_run(records[0])
+                del records[0]
+            else:  # metrics and parameters, as many as one call takes
+                n, metrics, params = 0, [], []
+                while n < len(records) and records[n]["kind"] in ("metrics", "params"):
+                    record = records[n]
+                    full = (params if record["kind"] == "params" else len(metrics) + len(record["values"]) > _BATCH)
+                    if n and full:
+                        break
+                    metrics += self._metrics(record)
+                    params += self._param_list(record)
+                    n += 1
+                self._client.log_batch(self.run_id, metrics=metrics, params=params, synchronous=True)
+                del records[:n]
+
+    def _start_run(self) -> None:
+        if self._session_opened:
+            return
+        from mlflow import MlflowClient
+
+        if self._client is None:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        client = self._client
+        if self.run_id is None:
+            experiment = client.get_experiment_by_name(self.experiment_name)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else client.create_experiment(self.experiment_name))
+            run = client.create_run(experiment_id, run_name=self.run_name, tags={"end_state": "running"})
+            self.run_id = run.info.run_id
+        else:  # continued: by another train() call, or a resumed process
+            client.update_run(self.run_id, status="RUNNING")
+            client.set_tag(self.run_id, "end_state", "running")
+        self._session_opened = True
+
+    def _end_run(self, record: Record) -> None:
+        client = self._client
+        client.set_tag(self.run_id, "end_state", record["state"])
+        if record["failure"] is not None:
+            client.set_tag(self.run_id, "failure", record["failure"])
+        client.set_terminated(self.run_id, _STATUS[record["state"]], end_time=record["time_ms"])
+
+    @staticmethod
+    def _metrics(record: Record) -> list:
+        from mlflow.entities import Metric
+
+        if record["kind"] != "metrics":
+            return []
+        return [Metric(key, value, record["time_ms"], record["step"]) for key, value in record["values"].items()]
+
+    @staticmethod
+    def _param_list(record: Record) -> list:
+        from mlflow.entities import Param
+
+        return [Param(k, v) for k, v in record["values"].items()] if record["kind"] == "params" else []
+
+
+def _default_uri() -> str:
+    import mlflow
+
+    return mlflow.get_tracking_uri()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

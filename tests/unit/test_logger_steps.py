@@ -1,0 +1,110 @@
+"""Every value a training step returns, per step, in TensorBoardLogger and CSVLogger; the on_exception hook."""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import pytest
+
+from nn_handler.callbacks import Callback, CSVLogger
+from scripts.tracker_case import EVERY, TwoLosses, train_two_losses
+
+
+def test_csv_logger_writes_every_value_the_step_returns_per_step_and_a_resume_drops_what_follows_it(tmp_path):
+    step = TwoLosses()
+    logger = CSVLogger(tmp_path / "log.csv", log_every_n_steps=EVERY)
+    train_two_losses([logger], step)
+    with open(tmp_path / "log_steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    want = step.step_means(EVERY)
+    assert [int(r["step"]) for r in rows] == list(want)
+    for row, (s, values) in zip(rows, want.items()):
+        for name, value in values.items():
+            assert float(row[name]) == pytest.approx(value, rel=1e-6), (s, name)
+        assert float(row["lr_group0"]) == 0.05
+    assert (tmp_path / "log.csv").read_text().splitlines()[0].startswith("epoch,train_loss")
+
+    # A run that starts again at step 6 (a resume from a checkpoint written there) keeps steps 3 and 6 only,
+    # then appends its own.
+    again = CSVLogger(tmp_path / "log.csv", log_every_n_steps=EVERY)
+
+    class At6:
+        is_main_process, global_step = True, 6
+
+    again.on_train_begin(At6())
+    again.on_train_end(At6())
+    with open(tmp_path / "log_steps.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [3, 6]
+
+
+class Ends(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_end(self, handler):
+        self.seen.append("end")
+
+    def on_exception(self, handler, exception):
+        self.seen.append(exception)
+
+
+def test_callbacks_hear_of_the_exception_that_ends_training():
+    step = TwoLosses()
+
+    def failing(ctx, batch):
+        if len(step.seen) == 5:
+            raise ValueError("bad batch")
+        return step(ctx, batch)
+
+    ends = Ends()
+    with pytest.raises(ValueError, match="bad batch"):
+        train_two_losses([ends], failing)
+    [exc] = ends.seen  # no on_train_end
+    assert isinstance(exc, ValueError) and str(exc) == "bad batch"
+
+    ok = Ends()
+    train_two_losses([ok], TwoLosses(), epochs=1)
+    assert ok.seen == ["end"]
+
+
+def test_an_on_exception_hook_that_raises_does_not_hide_the_training_error(caplog):
+    class Broken(Callback):
+        def on_exception(self, handler, exception):
+            raise RuntimeError("hook broke")
+
+    def failing(ctx, batch):
+        raise ValueError("bad batch")
+
+    ends = Ends()
+    with pytest.raises(ValueError, match="bad batch"):
+        train_two_losses([Broken(), ends], failing)
+    assert len(ends.seen) == 1  # the next callback still heard of it
+    assert "Broken.on_exception raised" in caplog.text
+
+
+@pytest.mark.parametrize("name,module,extra", [("MLflowLogger", "mlflow", "mlflow"), ("WandbLogger", "wandb", "wandb")])
+def test_a_tracker_without_its_extra_names_the_extra_when_created(monkeypatch, name, module, extra):
+    from nn_handler import loggers
+    from nn_handler.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import <module>` raises ImportError
+    with pytest.raises(MissingExtraError, match=rf"pip install 'nn_handler\[{extra}\]'"):
+        getattr(loggers, name)()
+
+
+@pytest.mark.slow  # imports MLflow or W&B (seconds)
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("MLflowLogger", {"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
+    ("MLflowLogger", {"experiment_name": ""}, "experiment_name must be a non-empty str"),
+    ("MLflowLogger", {"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
+    ("WandbLogger", {"mode": "offline=True"}, "mode must be one of"),
+    ("WandbLogger", {"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
+])
+def test_a_tracker_refuses_bad_arguments_when_created(name, kwargs, message):
+    from nn_handler import loggers
+    from nn_handler.errors import ConfigurationError
+
+    pytest.importorskip({"MLflowLogger": "mlflow", "WandbLogger": "wandb"}[name])
+    with pytest.raises(ConfigurationError, match=message):
+        getattr(loggers, name)(**kwargs)

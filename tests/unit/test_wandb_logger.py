@@ -1,0 +1,108 @@
+"""WandbLogger in W&B's offline mode (no network): the run's files read back record by record."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'nn_handler[wandb]'")
+
+from nn_handler import PREEMPTED_EXIT_CODE  # noqa: E402
+from nn_handler.loggers import WandbLogger  # noqa: E402
+from scripts.scale_case import AtStep, raise_value_error  # noqa: E402
+from scripts.tracker_case import (  # noqa: E402
+    Outputs,
+    learning_series,
+    make_run,
+    wandb_history,
+    wandb_records,
+    wandb_updates,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # every run starts W&B's service process
+
+EVERY = 2
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # nothing of the user's W&B settings
+    monkeypatch.chdir(tmp_path)
+    yield
+    import wandb
+
+    wandb.teardown()  # W&B's service process lives until the process ends, or until this
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """The offline run directories under ``root``, oldest first, once W&B has written them out.
+
+    ``run.finish()`` returns before W&B's service process has written the run's last records; it writes
+    them all before it exits (at the end of the process, or at ``wandb.teardown()``).
+    """
+    import wandb
+
+    wandb.teardown()
+    return sorted((root / "wandb").glob("offline-run-*"))
+
+
+def exit_code(run_dir: Path) -> int:
+    [code] = [r.exit.exit_code for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "exit"]
+    return code
+
+
+def test_an_offline_run_holds_the_history_the_step_values_and_the_config_and_continues_across_a_resume(tmp_path):
+    outputs = Outputs()
+    straight = WandbLogger(project="unit", dir=tmp_path / "straight", mode="offline", log_every_n_steps=EVERY,
+                           hparams={"width": 16})
+    history = make_run([straight, outputs]).train(3, progress=False)
+    [only] = run_dirs(tmp_path / "straight")
+    want = wandb_history([only])
+    for key in ("epoch", "train_loss", "train_mae", "val_loss", "val_mae", "lr"):
+        assert want[f"epoch/{key}"] == [(12 * (e + 1), pytest.approx(v, rel=1e-6)) for e, v in enumerate(history[key])]
+    for key in ("train_loss", "train_mae"):
+        assert want[f"step/{key}"] == [(s, pytest.approx(v[key], rel=1e-6))
+                                       for s, v in sorted(outputs.steps.items()) if s % EVERY == 0], key
+    config = wandb_updates(only, "config")
+    assert config["width"] == 16 and config["optimizer"] == "SGD" and config["batch_size"] == 8
+    assert wandb_updates(only, "summary")["end_state"] == "finished" and exit_code(only) == 0
+
+    # Stopped at step 17 (part-way through epoch 2), then resumed by a new handler from checkpoint_dir.
+    first = WandbLogger(project="unit", dir=tmp_path / "resumed", mode="offline", log_every_n_steps=EVERY)
+    make_run([first], checkpoint_dir=tmp_path / "ck", resume="auto").train(3, max_steps=17, progress=False)
+    second = WandbLogger(project="unit", dir=tmp_path / "resumed", mode="offline", log_every_n_steps=EVERY)
+    make_run([second], checkpoint_dir=tmp_path / "ck", resume="auto").train(3, progress=False)
+    assert second.run_id == first.run_id
+    parts = run_dirs(tmp_path / "resumed")
+    assert len(parts) == 2 and all(p.name.endswith(first.run_id) for p in parts)  # one run, in two sittings
+    got = wandb_history(parts)
+    assert learning_series(got).keys() == learning_series(want).keys()
+    for key, points in learning_series(want).items():
+        assert got[key] == [(s, pytest.approx(v, rel=1e-6)) for s, v in points], key
+
+
+def test_a_run_that_raises_ends_failed_with_the_exception_s_type(tmp_path):
+    logger = WandbLogger(project="unit", dir=tmp_path, mode="offline")
+    with pytest.raises(ValueError):
+        make_run([logger, AtStep(5, raise_value_error, accum=1)]).train(2, progress=False)
+    [run_dir] = run_dirs(tmp_path)
+    summary = wandb_updates(run_dir, "summary")
+    assert (summary["end_state"], summary["failure"]) == ("failed", "ValueError")
+    assert exit_code(run_dir) == 1
+    assert PREEMPTED_EXIT_CODE != 1  # a preemption ends the run with its own code (and mark_preempting)
+
+
+def test_only_rank_0_logs(tmp_path):
+    logger = WandbLogger(project="unit", dir=tmp_path, mode="offline")
+
+    class NotMain:
+        is_main_process, global_step, epoch, optimizers = False, 0, 0, {}
+
+    logger.on_train_begin(NotMain())
+    logger.on_batch_end(NotMain(), 0, 1.0, None)
+    logger.on_train_end(NotMain())
+    assert logger.run_id is None and not (tmp_path / "wandb").exists()
+    assert os.listdir(tmp_path) == []
