@@ -8,7 +8,8 @@ engine behind them, one job per module:
 - ``engine``: sends the batches to the ``ParallelExecutor``'s workers (bounded in flight), brings their outputs
   back in input order or has the workers write them to disk, splits a batch that runs out of memory, records
   failures (``on_error``), resumes what a killed run left, runs on Ray with ``backend="ray"``.
-- ``store``: a predictions directory: safetensors shards written atomically, the manifest, what is done, refusal
+- ``layout``: the files of a predictions directory: names, the safetensors shard format, atomic writes, the index.
+- ``store``: a predictions directory as a run writes it: shards written by any process, the manifest, what is done, refusal
   of a rerun whose data or settings differ.
 - ``reader``: :class:`~nn_handler.Predictions`, the outputs read back lazily in input order, later, anywhere.
 

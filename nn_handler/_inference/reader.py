@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import PredictionsError
-from .store import INDICES_KEY, MANIFEST, failed_items, read_index, read_manifest, scan_shards, unflatten
+from .layout import INDICES_KEY, MANIFEST, failed_items, read_index, read_manifest, scan_shards, unflatten
 
 __all__ = ["Predictions"]
 
@@ -223,7 +223,7 @@ def _part(structure: Any, part: str | int | None, index: int) -> Any:
 
 
 def _leaf_keys(structure: Any, key: str) -> list[str]:
-    """The keys of an output's tensors, in the order :func:`.store.unflatten` reads them."""
+    """The keys of an output's tensors, in the order :func:`.layout.unflatten` reads them."""
     keys: list[str] = []
     unflatten(structure, key, keys.append)
     return keys

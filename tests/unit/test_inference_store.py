@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from nn_handler import ConfigurationError, Predictions, PredictionsError
 from nn_handler._inference import reader
-from nn_handler._inference.store import MANIFEST, ShardStore, write_shard
+from nn_handler._inference.layout import MANIFEST
+from nn_handler._inference.store import ShardStore, write_shard
 
 IDENTITY = {"n_items": 6, "fingerprint": "abc", "settings": {"batch_size": 2, "max_tokens": None}}
 

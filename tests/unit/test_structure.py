@@ -191,7 +191,7 @@ def test_the_import_graph_reads_relative_and_type_checking_imports():
     assert "nn_handler.errors" in graph["nn_handler.utils._workers.task_errors"]  # `from ...errors import`
     assert "nn_handler.utils._workers.transport" in graph["nn_handler.utils._workers.worker"]  # `from . import _transport`
     assert "nn_handler.utils.ddp" in graph["nn_handler.utils._collectives"]
-    assert "nn_handler.history" in graph["nn_handler.callbacks"]  # under TYPE_CHECKING
+    assert "nn_handler.history" in graph["nn_handler._callback"]  # under TYPE_CHECKING
     assert "nn_handler.history" not in import_graph(type_checking=False)["nn_handler.callbacks"]
 
 
