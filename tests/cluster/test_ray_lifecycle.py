@@ -20,7 +20,6 @@ ray = pytest.importorskip("ray")
 
 from helpers import run_command  # noqa: E402
 from nn_handler import ExecutorTimeoutError, ParallelExecutor, WorkerDiedError  # noqa: E402
-from nn_handler.utils._workers import ray_pool  # noqa: E402
 
 BACKENDS = ["local", "ray"]
 STARTED = "Started a local Ray instance"  # what ray.init logs each time it starts a Ray
@@ -94,12 +93,10 @@ def test_a_result_that_cannot_be_pickled_is_a_clear_type_error(cluster, backend)
         assert ex.run(lambda device: 1) == [1, 1]  # the workers are still there
 
 
-def test_a_cluster_short_of_resources_is_a_timeout_naming_them(cluster, monkeypatch):
-    # A new actor gets at least _START_ALLOWANCE to start (it imports torch); shortened here to spare the wait.
-    monkeypatch.setattr(ray_pool, "_START_ALLOWANCE", 5.0)
+def test_a_cluster_short_of_resources_is_a_timeout_naming_them(cluster):
     with ParallelExecutor(num_gpus=2, backend="ray") as holder:  # every GPU of the cluster taken
         holder.run(lambda device: None)
-        ex = ParallelExecutor(num_gpus=1, backend="ray", timeout=2)
+        ex = ParallelExecutor(num_gpus=1, backend="ray", timeout=2, start_timeout=5)
         try:
             with pytest.raises(ExecutorTimeoutError, match=r"did not start within 5s.*GPU") as info:
                 within(60, ex.start)

@@ -153,7 +153,6 @@ _SLOW_START = """
     if __name__ == "__main__":
         import json
         from nn_handler import ParallelExecutor, ParallelExecutionError
-        from nn_handler.utils._workers import pool
 
         def error_of(**kwargs):
             try:
@@ -166,11 +165,9 @@ _SLOW_START = """
         os.environ["NNH_TEST_IMPORT_TAKES"] = "3"
         with ParallelExecutor(max_workers=1, timeout=2) as ex:  # the task timeout is per task
             out["slow_top_level"] = ex.submit(f, 1).result()
-        pool.START_TIMEOUT = 1  # the start-up's own bound
-        out["slow_start"] = error_of()
+        out["slow_start"] = error_of(start_timeout=1)  # the start-up's own bound
         os.environ["NNH_TEST_IMPORT_TAKES"] = "0"
-        out["slow_initializer"] = error_of(initializer=load, initargs=(30,))
-        pool.START_TIMEOUT = 60
+        out["slow_initializer"] = error_of(initializer=load, initargs=(30,), start_timeout=1)
         out["initializer_dies"] = error_of(initializer=die)
         os.environ["NNH_TEST_IMPORT_DIES"] = "1"
         out["start_dies"] = error_of()
@@ -183,7 +180,7 @@ def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
     assert out["slow_top_level"] == 2  # timeout=2 with a 3 s top level: the call succeeds
     kind, message = out["slow_start"]
     assert kind == "ExecutorTimeoutError" and "worker start-up" in message and "initializer" not in message, message
-    assert "did not start within 1s" in message and "START_TIMEOUT" in message and "killed" in message, message
+    assert "did not start within 1s" in message and "ParallelExecutor(start_timeout=...)" in message and "killed" in message, message
     kind, message = out["slow_initializer"]
     assert kind == "ExecutorTimeoutError" and "initializer did not finish within 1s" in message, message
     kind, message = out["initializer_dies"]
@@ -239,22 +236,36 @@ _SEEDS = """
     import torch
     from nn_handler import ParallelExecutor
 
+    # Seeded at the top level: each worker imports this script again (and the initializer's module, which seeds
+    # too), and must still draw numbers of its own.
+    torch.manual_seed(0); random.seed(0); numpy.random.seed(0)
+
     def draw(*_, device=None):
         return [float(torch.rand(1)), random.random(), float(numpy.random.rand())]
 
     if __name__ == "__main__":
+        import seeds_at_import
         torch.manual_seed(int(sys.argv[1]))
         with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
             a = ex.run(draw)
-        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+        with ParallelExecutor(device_ids=["cpu", "cpu"], initializer=seeds_at_import.nothing) as ex:
             b = ex.run(draw)
         with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1, pass_device=False) as ex:
             c = [ex.submit(draw).result() for _ in range(2)]  # a replacement for each task
         print("RESULT", json.dumps({"draws": a + b + c, "caller": draw()}))
 """
 
+_SEEDS_AT_IMPORT = """
+    import random, torch
+    torch.manual_seed(0); random.seed(0)
+
+    def nothing(device):
+        pass
+"""
+
 
 def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path):
+    (tmp_path / "seeds_at_import.py").write_text(textwrap.dedent(_SEEDS_AT_IMPORT))
     out = _run(tmp_path, _SEEDS, 0)
     draws = out["draws"] + [out["caller"]]
     for stream in range(3):  # torch, random, numpy: no two workers (pools, replacements) nor the caller alike

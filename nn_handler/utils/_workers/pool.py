@@ -32,7 +32,7 @@ No worker is a fork of the caller. Workers come from a forkserver that is a
 fresh interpreter (it imported torch once for all of them and never touches
 CUDA), or from ``spawn`` where there is none: :mod:`.server` decides. Each new
 worker gets the caller's environment as it is when the worker starts and its
-own random seeds (:func:`.worker.inherit`), and imports with the caller's
+own random seeds (:func:`.worker.seed_streams`, after its imports), and imports with the caller's
 ``sys.path``; see docs/executor.md, "How a worker starts, and what it inherits".
 """
 
@@ -67,11 +67,12 @@ __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
 _pool_ids = itertools.count()
 
-# Seconds a new worker may take to be ready to run tasks: its process, the import of the caller's main script
-# (`import transformers` and friends), the initializer (loading a model). A bound of its own, generous, whatever
-# the task timeout (which is per task): a start that never ends (a script that joins a process group at import
-# time, without a main guard) is killed and said so, one that is only slow is left to finish. None: no bound.
-START_TIMEOUT: float | None = 300.0
+# The default of ParallelExecutor(start_timeout=...): seconds a new worker may take to be ready to run tasks: its
+# process, the import of the caller's main script (`import transformers` and friends), the initializer (loading a
+# model). A bound of its own, generous, whatever the task timeout (which is per task): a start that never ends (a
+# script that joins a process group at import time, without a main guard) is killed and said so, one that is only
+# slow is left to finish.
+START_TIMEOUT = 300.0
 
 
 _open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
@@ -106,20 +107,22 @@ class WorkerPool(Scheduler):
         pass_device: Call functions with ``device=torch.device(...)``.
         init_blob: Pickled ``(initializer, initargs)``, run once per worker start.
         threads: ``torch.set_num_threads`` value in each worker.
-        start_timeout: Seconds a worker may take to start (initializer
-            included) before it is killed; ``None``: :data:`START_TIMEOUT`.
-            An attribute too, for a caller whose deadline covers start-up.
+        start_limit: Seconds a worker may take to start (initializer
+            included) before it is killed (the executor's ``start_timeout``); ``None``: no bound.
+        start_timeout: The same, for a caller whose deadline covers start-up (it wins over ``start_limit``);
+            an attribute too.
         max_tasks: Replace a worker after this many tasks (``None``: never).
         memory_limit: Replace a worker whose memory after a task exceeds this many bytes.
     """
 
     def __init__(self, devices: list[str], *, pass_device: bool, init_blob: bytes | None, threads: int,
-                 start_timeout: float | None = None, max_tasks: int | None = None, memory_limit: int | None = None):
+                 start_limit: float | None = START_TIMEOUT, start_timeout: float | None = None,
+                 max_tasks: int | None = None, memory_limit: int | None = None):
         self.devices = list(devices)
         self._pass_device = pass_device
         self._init_blob = init_blob
         self._threads = threads
-        self.start_timeout = start_timeout
+        self.start_timeout, self.start_limit = start_timeout, start_limit
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self.import_main = True  # a new worker imports the caller's main script (see server.inheritance)
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
@@ -236,7 +239,7 @@ class WorkerPool(Scheduler):
         pending = {s.conn: s for s in fresh}
         initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
         failures, exceptions, timed_out = [], {}, False
-        bound = self.start_timeout if self.start_timeout is not None else START_TIMEOUT
+        bound = self.start_timeout if self.start_timeout is not None else self.start_limit
         deadline = None if bound is None else time.monotonic() + bound
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
@@ -244,8 +247,9 @@ class WorkerPool(Scheduler):
             ready_handles = wait(list(pending) + list(sentinels), timeout=left)
             if not ready_handles:
                 why = (f"the call's {bound:g}s timeout" if self.start_timeout is not None else
-                       f"{bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has a bound of its own, "
-                       f"apart from the task timeout)")
+                       f"{bound:g}s (the executor's start_timeout: a worker's start-up has a bound of its own, "
+                       f"apart from the task timeout; pass ParallelExecutor(start_timeout=...) for a slow start, "
+                       f"None for no bound)")
                 for slot in list(pending.values()):
                     what = "its initializer did not finish" if slot.index in initializing else "did not start"
                     failures.append(RankFailure(

@@ -223,13 +223,13 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
-    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit`.
+    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit` and :func:`seed_streams`.
     """
     global _index
     _index = index
     environ, main, *seed = inherited or (None, None)
     if environ is not None:
-        inherit(environ, *seed)
+        inherit(environ)
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -250,6 +250,11 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if init_blob is not None:
             conn.send_bytes(pickle.dumps(("init", None, os.getpid())))  # start-up is over (see the pool's bound)
             initializer, initargs = _transport.loads(init_blob)
+        if seed:
+            # After the imports (the main script, the initializer's module), as DataLoader seeds its workers:
+            # a script that seeds at its top level seeds every worker alike when imported.
+            seed_streams(*seed)
+        if init_blob is not None:
             call(initializer, initargs, {})
         # What is alive now (torch's ~170k objects, the initializer's model)
         # lives as long as the worker: leave it out of garbage collections,
@@ -348,36 +353,37 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         message = payload_blob = payload = args = kwargs = result = body = reply = failure = None
 
 
-def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
-    """Give this new worker the caller's environment and its own random streams.
+def inherit(environ: dict) -> None:
+    """Give this new worker the caller's ``os.environ`` as it was when the worker started (the server it was
+    forked from has the one of its own start).
 
-    The environment is the caller's ``os.environ`` as it was when the worker
-    started (the server it was forked from has the one of its own start).
-    ``torch``, ``random`` and ``numpy`` (when torch imported it) are seeded as
-    :class:`~torch.utils.data.DataLoader` seeds its workers: ``base_seed``
-    (:func:`.server.base_seed`: the caller's torch generator state when the pool
-    was made, read without drawing from it, and the pool's number in its
-    process) plus ``worker_id`` (unique in its pool, replacements included),
-    and numpy from the two mixed: independent across workers, pools and
-    replacements, the same run to run after ``torch.manual_seed`` in the caller.
-
-    Example:
-        >>> import random, torch
-        >>> saved = random.getstate(), torch.get_rng_state(), dict(os.environ)
-        >>> inherit(dict(os.environ), 1234, 0); a = random.random(), float(torch.rand(1))
-        >>> inherit(dict(os.environ), 1234, 0); a == (random.random(), float(torch.rand(1)))
-        True
-        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    Its random streams are seeded later (:func:`seed_streams`), once the main script and the initializer's
+    module are imported: top-level code that seeds would seed every worker alike.
     """
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
-    seed_streams(base_seed, worker_id)
 
 
 def seed_streams(base_seed: int, worker_id: int) -> None:
-    """Seed ``torch``, ``random`` and ``numpy`` (when imported) of this process from its pool's seed and its id,
-    as :func:`inherit` describes (a Ray actor gets the same)."""
+    """Seed ``torch``, ``random`` and ``numpy`` (when imported) of this worker from its pool's seed and its id.
+
+    As :class:`~torch.utils.data.DataLoader` seeds its workers, after their imports: ``base_seed``
+    (:func:`.server.base_seed`: the caller's torch generator state when the pool was made, read without
+    drawing from it, and the pool's number in its process) plus ``worker_id`` (unique in its pool,
+    replacements included), and numpy from the two mixed: independent across workers, pools and
+    replacements, the same run to run after ``torch.manual_seed`` in the caller. A Ray actor gets the same.
+
+    Example:
+        >>> import random, torch
+        >>> saved = random.getstate(), torch.get_rng_state()
+        >>> seed_streams(1234, 0); a = random.random(), float(torch.rand(1))
+        >>> seed_streams(1234, 0); a == (random.random(), float(torch.rand(1)))
+        True
+        >>> seed_streams(1234, 1); a == (random.random(), float(torch.rand(1)))
+        False
+        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    """
     import random
 
     import torch
