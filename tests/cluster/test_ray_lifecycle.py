@@ -216,3 +216,26 @@ def test_actors_are_seeded_as_local_workers_and_the_callers_stream_stays(cluster
     assert other[0] != first[0] and other[1] != first[1]
     torch.manual_seed(0)
     assert after == float(torch.rand(1))  # the caller's own stream did not move
+
+
+def _draw_and_stderr(device):
+    """This actor's draws, and what it wrote to its stderr (a log file of Ray's) so far."""
+    import random
+
+    import torch
+
+    sys.stderr.flush()
+    path = os.readlink("/proc/self/fd/2")
+    text = open(path, errors="replace").read() if os.path.isfile(path) else ""
+    return (float(torch.rand(1)), random.random()), text
+
+
+@pytest.mark.timeout(300)
+def test_actors_are_seeded_after_their_initializers_imports_without_a_ray_deprecation_warning(cluster):
+    import seeds_at_import  # seeds at its top level, in every actor that loads the initializer too
+
+    with ParallelExecutor(device_ids=["cpu", "cpu"], backend="ray", initializer=seeds_at_import.nothing) as ex:
+        (first, err_first), (second, err_second) = within(120, ex.run, _draw_and_stderr)
+    assert first[0] != second[0] and first[1] != second[1]  # each actor its own streams
+    # The seeding read Ray's deprecated actor_id at every actor start ("Use get_actor_id() instead").
+    assert "get_actor_id" not in err_first + err_second, err_first + err_second

@@ -191,6 +191,28 @@ def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
 
 
 # ----------------------------------------------------------------------------- threads
+_NOT_IMPORTABLE = """
+    import json, sys
+    from nn_handler import ParallelExecutionError, ParallelExecutor
+
+    if __name__ == "__main__":
+        sys.path.insert(0, sys.argv[1])  # a broken nn_handler first on the path the workers get
+        try:
+            with ParallelExecutor(max_workers=1) as ex:
+                ex.submit(abs, 1).result()
+        except ParallelExecutionError as exc:
+            print("RESULT", json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def test_a_worker_that_cannot_import_nn_handler_gets_no_main_guard_hint(tmp_path):
+    (tmp_path / "shadow" / "nn_handler").mkdir(parents=True)
+    (tmp_path / "shadow" / "nn_handler" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    kind, message = _run(tmp_path, _NOT_IMPORTABLE, tmp_path / "shadow")
+    assert kind == "WorkerDiedError" and "died during start-up" in message, message
+    assert "__main__" not in message and "import nn_handler" in message, message  # not the main guard's hint
+
+
 _THREADS = """
     import os
     def threads(*_):

@@ -237,7 +237,7 @@ class WorkerPool(Scheduler):
 
     def _await_ready(self, fresh: list[_Slot]) -> None:
         pending = {s.conn: s for s in fresh}
-        initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
+        stage: dict[int, str] = {}  # slot index -> "main" (imports the main script) or "init" (the initializer)
         failures, exceptions, timed_out = [], {}, False
         bound = self.start_timeout if self.start_timeout is not None else self.start_limit
         deadline = None if bound is None else time.monotonic() + bound
@@ -251,7 +251,7 @@ class WorkerPool(Scheduler):
                        f"apart from the task timeout; pass ParallelExecutor(start_timeout=...) for a slow start, "
                        f"None for no bound)")
                 for slot in list(pending.values()):
-                    what = "its initializer did not finish" if slot.index in initializing else "did not start"
+                    what = "its initializer did not finish" if stage.get(slot.index) == "init" else "did not start"
                     failures.append(RankFailure(
                         rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type="TimeoutError",
                         message=f"{what} within {why}; worker killed"))
@@ -263,15 +263,19 @@ class WorkerPool(Scheduler):
                 if slot is None or slot.conn not in pending:
                     continue
                 reply = self._receive(slot)
-                if reply is not None and reply[0] == "init":  # started: the initializer runs now
-                    initializing.add(slot.index)
+                while reply is not None and reply[0] in ("main", "init"):  # where its start-up has come to
+                    stage[slot.index] = reply[0]
                     if not slot.inbox.has_message():
-                        continue  # wait on, for its pipe or its end
+                        break
                     reply = self._receive(slot)
+                if reply is not None and reply[0] in ("main", "init"):
+                    continue  # wait on, for its pipe or its end
                 del pending[slot.conn]
                 if reply is None:
+                    where = stage.get(slot.index)
                     failures.append(self._death(
-                        slot, during="start-up, in its initializer" if slot.index in initializing else "start-up"))
+                        slot, during="start-up, in its initializer" if where == "init" else "start-up",
+                        importing_main=where == "main"))
                 elif reply[0] == "err":
                     self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
@@ -282,7 +286,7 @@ class WorkerPool(Scheduler):
             else:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             failed = {f.rank for f in failures}
-            function = "initializer" if failed & initializing else "worker start-up"
+            function = "initializer" if any(stage.get(rank) == "init" for rank in failed) else "worker start-up"
             raise cls(failures, exceptions, function=function)
 
     def shutdown(self, *, wait: bool = True, ask: bool = True, cancel: bool = False) -> None:
@@ -490,7 +494,7 @@ class WorkerPool(Scheduler):
         _transport.remove_prefixed(prefix)
         lending.forget(prefix)
 
-    def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
+    def _death(self, slot: _Slot, during: str = "the call", importing_main: bool = False) -> RankFailure:
         slot.process.join(1.0)
         exitcode = slot.process.exitcode
         hint = ""
@@ -502,9 +506,12 @@ class WorkerPool(Scheduler):
         else:
             if self._closed:  # killed by shutdown(wait=False) from another thread, e.g. at interpreter exit
                 hint = "; the executor was shut down while the call ran"
-            elif during == "start-up":
+            elif importing_main:  # in the top level of the caller's script
                 hint = ("; see its output above. If your script creates the executor at import time, start it "
                         "under `if __name__ == \"__main__\":` (workers import the main module)")
+            elif during == "start-up":  # before it could import the script: nn_handler or torch, where it runs
+                hint = ("; see its output above: it ended before it reached your code (can this Python import "
+                        "nn_handler and torch with your sys.path?)")
             message = f"worker died during {during} ({describe_exit(exitcode)}){hint}"
         record = RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, message=message,
                              exitcode=exitcode)

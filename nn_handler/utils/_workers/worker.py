@@ -12,8 +12,8 @@ tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's own reply, after which the
-worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``init`` (started, the initializer
-runs) or ``ready``; a ``"memory"``
+worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``main`` (it imports the caller's
+main script), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
@@ -244,6 +244,8 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         return call_with_device(fn_and_position, args, kwargs, device, pass_device)
 
     try:
+        if main:  # the pool tells a death here (a script's top level) from one before (nn_handler not importable)
+            conn.send_bytes(pickle.dumps(("main", None, os.getpid())))
         _import_main(main)
         if device.type == "cuda":
             torch.cuda.set_device(device)
