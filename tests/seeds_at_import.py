@@ -1,5 +1,5 @@
 """A module that seeds at its top level, as many training scripts do: an actor that imports it (for the
-initializer) must still draw numbers of its own (see test_ray_lifecycle.py)."""
+initializer) must still draw numbers of its own (see cluster/test_ray_lifecycle.py)."""
 
 import random
 
