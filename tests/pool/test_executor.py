@@ -425,6 +425,24 @@ def test_death_is_reported_while_other_workers_still_run_and_worker_restarts():
         assert not pids_alive(pids)
 
 
+class _KillsItsWorkerWhenPickled:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _a_result_that_kills_its_sender(device):
+    # The large tensor's file is written first (a size no earlier result had: a new file, not a spare of theirs).
+    return torch.ones((1 << 18) + 4099), _KillsItsWorkerWhenPickled()
+
+
+def test_a_worker_killed_while_sending_a_result_leaves_no_file_once_its_death_is_handled():
+    with ParallelExecutor(device_ids=["cpu"]) as ex:
+        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+            ex.submit(_a_result_that_kills_its_sender).result(timeout=60)
+        # Dropped when the death was handled, not at the pool's next start or shutdown (a hard kill leaked it).
+        assert _shm_files() == []
+
+
 def test_map_worker_killed_mid_call():
     with ParallelExecutor(device_ids=CPU2) as ex:
         def maybe_die(x, device):

@@ -213,6 +213,44 @@ def test_a_worker_that_cannot_import_nn_handler_gets_no_main_guard_hint(tmp_path
     assert "__main__" not in message and "import nn_handler" in message, message  # not the main guard's hint
 
 
+_EXEC = """
+    import glob, json, os, sys, time
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def big(go):
+        while not os.path.exists(go):  # the caller is about to exec
+            time.sleep(0.005)
+        return torch.ones(1 << 22)  # 16 MiB: a file of its own in /dev/shm
+
+    def gone(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    if __name__ == "__main__":
+        if sys.argv[1] == "after-exec":  # the same process, a new program: nobody reads the workers' pipes now
+            deadline = time.monotonic() + 60
+            while not gone(int(sys.argv[2])) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("RESULT", json.dumps({"gone": gone(int(sys.argv[2])), "left": glob.glob(f"/dev/shm/nnh-{os.getpid()}-*")}))
+        else:
+            go = sys.argv[2]
+            ex = ParallelExecutor(max_workers=1)
+            worker = ex.submit(os.getpid).result()
+            ex.submit(big, go)
+            open(go, "w").close()
+            os.execv(sys.executable, [sys.executable, __file__, "after-exec", str(worker)])
+"""
+
+
+def test_an_exec_of_the_caller_while_a_call_is_in_flight_leaves_no_result_file(tmp_path):
+    out = _run(tmp_path, _EXEC, "before", tmp_path / "go")
+    assert out["gone"] and out["left"] == [], out  # the worker removed the file of a reply nobody reads
+
+
 _THREADS = """
     import os
     def threads(*_):

@@ -488,6 +488,13 @@ class WorkerPool(Scheduler):
                 del self._unloaded_of_killed[files]
                 self._drop_files(files)
 
+    def _drop_stale_files(self) -> None:
+        """Drop the files of workers that ended in a failed call, once the call has failed (see :meth:`_kill`)."""
+        with self._lock:
+            stale, self._stale_files = self._stale_files, []
+        for prefix in stale:
+            self._drop_files(prefix)
+
     @staticmethod
     def _drop_files(prefix: str) -> None:
         """Remove what is left of a worker's files, named or open (results mapped from them stay valid)."""

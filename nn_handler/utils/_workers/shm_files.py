@@ -205,8 +205,13 @@ def _warn_spill(directory: str) -> None:
         RuntimeWarning, stacklevel=2)
 
 
-def remove_prefixed(prefix: str | None) -> None:
-    """Remove every file left under ``prefix``, spilled ones too (a sender died before its reader unlinked)."""
+def remove_prefixed(prefix: str | None, *, final: bool = False) -> None:
+    """Remove every file left under ``prefix``, spilled ones too (a sender died before its reader unlinked).
+
+    ``final``: this process is about to exit; no file is created after this.
+    """
+    if final:
+        _create_lock.acquire()  # never released: the process ends
     if prefix:
         directory, name = os.path.split(prefix)
         for d in {directory, spill_dir()}:

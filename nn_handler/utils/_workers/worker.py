@@ -84,7 +84,7 @@ def worker_index() -> int | None:
 _WATCHDOG_PERIOD = 0.5
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, reply_fd: int | None = None, results: str | None = None) -> None:
     # However this worker ends (EOF from a dead caller, a broken pipe while it
     # replied), the files its caller left in shared memory go with it: a caller
     # killed by a signal cleans nothing, and nobody else knows these names.
@@ -96,7 +96,10 @@ def _watch_parent(parent_pid: int) -> None:
     while _parent_alive(parent_pid):
         if server is not None and os.getppid() != server:
             # Our server died: the caller learns of our end from it, so it counts us gone (see server.cut_off)
-            # and nobody would see us end later. We end now, leaving its files to it.
+            # and nobody would see us end later. We end now, leaving its files to it; our results' files too,
+            # unless the caller no longer reads our pipe (it ran os.execv(): the same pid, nobody to read them).
+            if reply_fd is not None and pipes.reader_gone(reply_fd):
+                _transport.remove_prefixed(results, final=True)
             os._exit(1)
         time.sleep(_WATCHDOG_PERIOD)
     _transport.remove_process_files(parent_pid, final=True)
@@ -233,7 +236,8 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watchdog").start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, conn.writer.fileno(), shm_prefix), daemon=True,
+                     name="parent-watchdog").start()
     import torch
 
     torch.set_num_threads(threads_wanted(threads))
@@ -286,7 +290,10 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         message = inbox.receive()  # the envelope: plain tuples and bytes, no code of the user's runs
         spinning = time.perf_counter() - waited < pipes.SPIN
         if message is None:
-            return  # the pool closed our pipe: shut down
+            # Our caller is gone, or closed our pipe without a word (it ran os.execv(): its pid lives on, so
+            # nobody cleans after it): the results it did not map, nobody will.
+            _transport.remove_prefixed(shm_prefix)
+            return
         # Counted before anything of it runs (unpickling the payload may run
         # user code): a worker that dies with the count short of a task never
         # started it, so the pool can give it to a replacement without running
@@ -346,6 +353,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         try:
             pipes.write_message(fd, pickle.dumps(reply))
         except OSError:
+            _transport.remove_prefixed(shm_prefix)  # the files written for it (see above, at EOF)
             return  # the pool closed our pipe: nobody is left to read it
         if _ending:
             return
