@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -65,6 +66,7 @@ from .worker import guard_against_bootstrap, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
+logger = logging.getLogger(__name__)
 _pool_ids = itertools.count()
 
 # The default of ParallelExecutor(start_timeout=...): seconds a new worker may take to be ready to run tasks: its
@@ -159,6 +161,7 @@ class WorkerPool(Scheduler):
         self._dying: list = []  # killed workers not reaped yet (see _kill)
         self._failing = False  # a call is failing: the workers killed with it are not waited for
         self._stale_files: list = []  # file prefixes of those workers, to drop with them
+        self._descriptors_checked = False  # whether workers were seen to open this process's files (see start)
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -179,18 +182,30 @@ class WorkerPool(Scheduler):
             guard_against_bootstrap()
             self._reap()  # a new worker starts once the one it replaces is gone (its memory, its GPU)
             ctx = server.context()
+            probe = None if self._descriptors_checked else _transport.probe(self._args.prefix)
             try:
                 for slot in fresh:
-                    self._start_worker(ctx, slot)
-                self._await_ready(fresh)
+                    self._start_worker(ctx, slot, probe)
+                refusals = self._await_ready(fresh)
                 self._wake()  # the engine watches the new pipes from now on
             except BaseException:
                 # Ctrl-C during the initializer, a process that could not be
                 # created: the workers started so far end with the start.
                 self.terminate()
                 raise
+            finally:
+                if probe is not None:
+                    _transport.remove_files([probe])
+            self._descriptors_checked = True
+            if probe is not None and refusals:
+                # The workers cannot open this process's files through /proc/<pid>/fd: name them instead (they
+                # are then removed by the pool, and by a worker that outlives this process).
+                logger.info("workers cannot open this process's files through /proc (%s): large arguments go "
+                            "through named files", refusals[0])
+                for encoder in (self._args, self.functions, self._items):
+                    encoder.hold = False
 
-    def _start_worker(self, ctx, slot: _Slot) -> None:
+    def _start_worker(self, ctx, slot: _Slot, probe=None) -> None:
         slot.incarnation += 1
         parent_conn, child_conn = pipes.channel(ctx)
         reads, started = ctx.RawValue("Q", 0), ctx.RawValue("d", 0.0)  # see _Slot.reads, _Slot.started
@@ -206,7 +221,7 @@ class WorkerPool(Scheduler):
                   self._pass_device, prefix, os.getpid(), reads, started,
                   # one worker id for each place and replacement: no two workers of the pool draw alike
                   server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1),
-                                     main=self.import_main)),
+                                     main=self.import_main), probe),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -235,10 +250,11 @@ class WorkerPool(Scheduler):
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
             slot.functions = _transport.FunctionCache()  # a new process holds no function yet
 
-    def _await_ready(self, fresh: list[_Slot]) -> None:
+    def _await_ready(self, fresh: list[_Slot]) -> list[str]:
+        """Wait until every worker of ``fresh`` is ready; why those that could not open the probe could not."""
         pending = {s.conn: s for s in fresh}
         stage: dict[int, str] = {}  # slot index -> "main" (imports the main script) or "init" (the initializer)
-        failures, exceptions, timed_out = [], {}, False
+        failures, exceptions, timed_out, refusals = [], {}, False, []
         bound = self.start_timeout if self.start_timeout is not None else self.start_limit
         deadline = None if bound is None else time.monotonic() + bound
         while pending:
@@ -279,6 +295,8 @@ class WorkerPool(Scheduler):
                 elif reply[0] == "err":
                     self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
+                elif reply[2] is not None:  # ready, but it could not open this process's files
+                    refusals.append(reply[2])
         if failures:
             self._close_now(ask=True)
             if timed_out:
@@ -288,6 +306,7 @@ class WorkerPool(Scheduler):
             failed = {f.rank for f in failures}
             function = "initializer" if any(stage.get(rank) == "init" for rank in failed) else "worker start-up"
             raise cls(failures, exceptions, function=function)
+        return refusals
 
     def shutdown(self, *, wait: bool = True, ask: bool = True, cancel: bool = False) -> None:
         """Stop every worker once the queued and running tasks are done; idempotent.

@@ -221,12 +221,14 @@ def call_each(fn_and_position, items, device, pass_device: bool) -> list:
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None) -> None:
+                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None,
+                probe=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
     ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit` and :func:`seed_streams`.
+    ``probe``: a file the caller holds, to open as its files are (see :func:`.shm_files.refused`).
     """
     global _index
     _index = index
@@ -267,7 +269,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         # so that a full one costs well under a millisecond instead of ~85 ms
         # (release_mapped runs one after some calls).
         gc.freeze()
-        conn.send_bytes(pickle.dumps(("ready", None, os.getpid())))
+        conn.send_bytes(pickle.dumps(("ready", None, None if probe is None else _transport.refused(probe))))
     except BaseException as exc:
         record, blob = _failure(index, device_str, exc, traceback.format_exc())
         conn.send_bytes(pickle.dumps(("err", None, (record, blob))))
@@ -422,19 +424,19 @@ def _import_main(main: dict | None) -> None:
 
 
 def memory_in_use(device, results: str | None = None) -> int:
-    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
-    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings, the
-    whole of every argument file it still maps, touched or not), less the result files (``results*``) it
-    writes again through mappings it keeps, which the caller maps too.
-    The libraries' pages, shared with the server and the other workers, do not count."""
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private pages
+    (``Private_*`` of ``/proc/self/smaps_rollup``: what it wrote since it was forked, ``share_memory_()``
+    tensors and ``MAP_SHARED`` mappings it alone maps) plus the whole of every argument file it still maps,
+    touched or not, less the result files (``results*``) it writes again through mappings it keeps, which
+    the caller maps too.
+    The pages it shares with the server and the other workers (torch's import: most of an idle worker's
+    resident set) do not count."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
-        held = sum(int(value.split()[0]) for value in fields.values()) << 10
+        held = _private_bytes()
     except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
         import resource
 
@@ -442,17 +444,29 @@ def memory_in_use(device, results: str | None = None) -> int:
         return peak if sys.platform == "darwin" else peak * 1024
     if not results:
         return held
-    shared, kept = _mapped_files(results)
-    return held - shared + kept
+    results_private, arguments_private, arguments_whole = _mapped_files(results)
+    return held - results_private - arguments_private + arguments_whole
+
+
+def _private_bytes() -> int:
+    """This process's private pages (mapped by it alone), from ``/proc/self/smaps_rollup``; where the kernel
+    has none (before Linux 4.14), its anonymous and shared resident pages from ``/proc/self/status``."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            lines = [line for line in f if line.startswith(("Private_Clean:", "Private_Dirty:"))]
+    except FileNotFoundError:
+        with open("/proc/self/status") as f:
+            lines = [line for line in f if line.startswith(("RssAnon:", "RssShmem:"))]
+    return sum(int(line.split(":", 1)[1].split()[0]) for line in lines) << 10
 
 
 # An argument's file, as the pool names them (nnh-<pid>-<pool>-a-<n>: run and submit, -m-: map items).
 _ARGUMENT_FILE = re.compile(r"nnh-\d+-\d+-[am]-\d+(?: \(deleted\))?$")
 
 
-def _mapped_files(results: str) -> tuple[int, int]:
-    """``(resident bytes of this worker's result files results*, bytes of the argument files it maps that no
-    page of it touched)``, unlinked since or not, in the shared-memory directory.
+def _mapped_files(results: str) -> tuple[int, int, int]:
+    """``(private bytes of this worker's result files results*, private bytes of the argument files it maps,
+    their whole size)``, unlinked since or not, in the shared-memory directory.
 
     A task that keeps a view (``t[:10]``) of an argument keeps its whole file in shared memory, though the
     resident set counts only the pages the worker touched. Files spilled elsewhere (no room in the
@@ -471,24 +485,25 @@ def _mapped_files(results: str) -> tuple[int, int]:
     try:
         with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
             if not any(directory in line and kind(line.split(maxsplit=5)[-1].rstrip("\n")) for line in f):
-                return 0, 0
-        shared, files, mapping = 0, {}, None
+                return 0, 0, 0
+        results_private, files, mapping = 0, {}, None
         with open("/proc/self/smaps") as f:
             for line in f:
                 if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
                     fields = line.split(maxsplit=5)
                     found = kind(fields[5].rstrip("\n")) if len(fields) == 6 else None
                     mapping = None if found is None else (found, fields[4])  # (kind, inode)
-                elif mapping is not None and line.startswith(("Size:", "Rss:")):
+                elif mapping is not None and line.startswith(("Size:", "Private_Clean:", "Private_Dirty:")):
                     size = int(line.split()[1]) << 10
                     if mapping[0] == "results":
-                        shared += size if line[0] == "R" else 0
-                    else:  # per file: its size (the largest mapping of it), and its pages touched
-                        whole, touched = files.get(mapping[1], (0, 0))
-                        files[mapping[1]] = (max(whole, size), touched) if line[0] == "S" else (whole, touched + size)
-        return shared, sum(max(0, whole - touched) for whole, touched in files.values())
+                        results_private += size if line[0] == "P" else 0
+                    else:  # per file: its size (the largest mapping of it), and its private pages
+                        whole, private = files.get(mapping[1], (0, 0))
+                        files[mapping[1]] = (max(whole, size), private) if line[0] == "S" else (whole, private + size)
+        return (results_private, sum(private for _, private in files.values()),
+                sum(whole for whole, _ in files.values()))
     except (OSError, ValueError):
-        return 0, 0
+        return 0, 0, 0
 
 
 def guard_against_bootstrap() -> None:
