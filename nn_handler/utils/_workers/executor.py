@@ -269,8 +269,9 @@ class ParallelExecutor(concurrent.futures.Executor):
         max_tasks_per_worker: Replace a worker after this many tasks (its
             initializer runs again in the new one); ``None``: never.
         worker_memory_limit: Replace a worker whose memory after a task is
-            above this many bytes (on the CPU private plus shared memory it keeps, argument files it still
-            maps whole, less its result files; ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            above this many bytes (on the CPU its private pages, not those it shares with its server, and
+            the argument files it still maps, whole, less its result files; ``torch.cuda.memory_reserved`` on a
+            GPU); ``None``: never.
             Each replacement is logged (INFO).
         backend: ``"local"``: worker processes on this machine. ``"ray"``:
             one Ray actor per device anywhere in a Ray cluster (``num_gpus=1``
