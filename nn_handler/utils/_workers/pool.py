@@ -161,6 +161,7 @@ class WorkerPool(Scheduler):
         self._dying: list = []  # killed workers not reaped yet (see _kill)
         self._failing = False  # a call is failing: the workers killed with it are not waited for
         self._stale_files: list = []  # file prefixes of those workers, to drop with them
+        self._stale_names: list = []  # the same, whose named files are not removed yet (see _drop_stale_names)
         self._descriptors_checked = False  # whether workers were seen to open this process's files (see start)
         _open_pools.add(self)
 
@@ -477,6 +478,7 @@ class WorkerPool(Scheduler):
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
         elif self._failing:  # freeing a large result file's memory takes milliseconds too
             self._stale_files.append(slot.files)
+            self._stale_names.append(slot.files)
         else:
             self._drop_files(slot.files)
 
@@ -507,12 +509,14 @@ class WorkerPool(Scheduler):
                 del self._unloaded_of_killed[files]
                 self._drop_files(files)
 
-    def _drop_stale_files(self) -> None:
-        """Drop the files of workers that ended in a failed call, once the call has failed (see :meth:`_kill`)."""
+    def _drop_stale_names(self) -> None:
+        """Remove the named files of workers that ended in a failed call (a result one was sending), once the
+        call has failed: a kill of this process would leave them. The files it holds open (spares of earlier
+        results, freed with it however it ends) go when the workers are reaped (see :meth:`_kill`)."""
         with self._lock:
-            stale, self._stale_files = self._stale_files, []
+            stale, self._stale_names = self._stale_names, []
         for prefix in stale:
-            self._drop_files(prefix)
+            _transport.remove_prefixed(prefix)
 
     @staticmethod
     def _drop_files(prefix: str) -> None:
