@@ -215,10 +215,10 @@ def test_a_worker_that_cannot_import_nn_handler_gets_no_main_guard_hint(tmp_path
 
 _EXEC = """
     import glob, json, os, sys, time
-    import torch
-    from nn_handler import ParallelExecutor
 
     def big(go):
+        import torch
+
         while not os.path.exists(go):  # the caller is about to exec
             time.sleep(0.005)
         return torch.ones(1 << 22)  # 16 MiB: a file of its own in /dev/shm
@@ -237,6 +237,8 @@ _EXEC = """
                 time.sleep(0.05)
             print("RESULT", json.dumps({"gone": gone(int(sys.argv[2])), "left": glob.glob(f"/dev/shm/nnh-{os.getpid()}-*")}))
         else:
+            from nn_handler import ParallelExecutor  # (the program after the exec does without torch)
+
             go = sys.argv[2]
             ex = ParallelExecutor(max_workers=1)
             worker = ex.submit(os.getpid).result()
