@@ -20,7 +20,6 @@ ray = pytest.importorskip("ray")
 
 from helpers import run_command  # noqa: E402
 from nn_handler import ExecutorTimeoutError, ParallelExecutor, WorkerDiedError  # noqa: E402
-from nn_handler.utils._workers import ray_pool  # noqa: E402
 
 BACKENDS = ["local", "ray"]
 STARTED = "Started a local Ray instance"  # what ray.init logs each time it starts a Ray
@@ -94,12 +93,10 @@ def test_a_result_that_cannot_be_pickled_is_a_clear_type_error(cluster, backend)
         assert ex.run(lambda device: 1) == [1, 1]  # the workers are still there
 
 
-def test_a_cluster_short_of_resources_is_a_timeout_naming_them(cluster, monkeypatch):
-    # A new actor gets at least _START_ALLOWANCE to start (it imports torch); shortened here to spare the wait.
-    monkeypatch.setattr(ray_pool, "_START_ALLOWANCE", 5.0)
+def test_a_cluster_short_of_resources_is_a_timeout_naming_them(cluster):
     with ParallelExecutor(num_gpus=2, backend="ray") as holder:  # every GPU of the cluster taken
         holder.run(lambda device: None)
-        ex = ParallelExecutor(num_gpus=1, backend="ray", timeout=2)
+        ex = ParallelExecutor(num_gpus=1, backend="ray", timeout=2, start_timeout=5)
         try:
             with pytest.raises(ExecutorTimeoutError, match=r"did not start within 5s.*GPU") as info:
                 within(60, ex.start)
@@ -219,3 +216,26 @@ def test_actors_are_seeded_as_local_workers_and_the_callers_stream_stays(cluster
     assert other[0] != first[0] and other[1] != first[1]
     torch.manual_seed(0)
     assert after == float(torch.rand(1))  # the caller's own stream did not move
+
+
+def _draw_and_stderr(device):
+    """This actor's draws, and what it wrote to its stderr (a log file of Ray's) so far."""
+    import random
+
+    import torch
+
+    sys.stderr.flush()
+    path = os.readlink("/proc/self/fd/2")
+    text = open(path, errors="replace").read() if os.path.isfile(path) else ""
+    return (float(torch.rand(1)), random.random()), text
+
+
+@pytest.mark.timeout(300)
+def test_actors_are_seeded_after_their_initializers_imports_without_a_ray_deprecation_warning(cluster):
+    import seeds_at_import  # seeds at its top level, in every actor that loads the initializer too
+
+    with ParallelExecutor(device_ids=["cpu", "cpu"], backend="ray", initializer=seeds_at_import.nothing) as ex:
+        (first, err_first), (second, err_second) = within(120, ex.run, _draw_and_stderr)
+    assert first[0] != second[0] and first[1] != second[1]  # each actor its own streams
+    # The seeding read Ray's deprecated actor_id at every actor start ("Use get_actor_id() instead").
+    assert "get_actor_id" not in err_first + err_second, err_first + err_second

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pickle
@@ -83,6 +84,26 @@ def test_seed_style_device_first_parameter(pool):
 def test_function_without_device_parameter_is_a_clear_error(pool):
     with pytest.raises(TypeError, match="takes no `device` argument but pass_device=True"):
         pool.run(lambda x: x, 1)
+
+
+def test_a_wrapper_that_takes_the_device_itself_is_given_it(pool):
+    # The check followed __wrapped__ to the inner (x) and refused the wrapper, whose own signature takes it.
+    def scale(x):
+        return x * 2
+
+    @functools.wraps(scale)
+    def on_device(x, device):
+        return scale(x.to(device))
+
+    def seed_style(device, x):
+        return str(device), x
+
+    @functools.wraps(seed_style)  # a transparent decorator around a seed-style function: device first, as before
+    def timed(*args, **kwargs):
+        return seed_style(*args, **kwargs)
+
+    assert [r.tolist() for r in pool.run(on_device, torch.tensor([1]))] == [[2], [2]]
+    assert pool.submit(timed, 3).result(timeout=60) == ("cpu", 3)
 
 
 def test_pass_device_false():
@@ -402,6 +423,24 @@ def test_death_is_reported_while_other_workers_still_run_and_worker_restarts():
         # the dead one restarted; the survivor's share of the failed call was stopped with it
         assert new_pids[0] != pids[0] and new_pids[1] != pids[1]
         assert not pids_alive(pids)
+
+
+class _KillsItsWorkerWhenPickled:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _a_result_that_kills_its_sender(device):
+    # The large tensor's file is written first (a size no earlier result had: a new file, not a spare of theirs).
+    return torch.ones((1 << 18) + 4099), _KillsItsWorkerWhenPickled()
+
+
+def test_a_worker_killed_while_sending_a_result_leaves_no_file_once_its_death_is_handled():
+    with ParallelExecutor(device_ids=["cpu"]) as ex:
+        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+            ex.submit(_a_result_that_kills_its_sender).result(timeout=60)
+        # Dropped when the death was handled, not at the pool's next start or shutdown (a hard kill leaked it).
+        assert _shm_files() == []
 
 
 def test_map_worker_killed_mid_call():
@@ -770,15 +809,14 @@ def test_failed_call_stops_what_it_started_before_the_next_call(tmp_path, how):
 
 
 @pytest.mark.timeout(90)
-def test_initializer_that_hangs_past_the_start_up_bound_is_a_timeout_error(monkeypatch):
-    from nn_handler.utils._workers import pool
+def test_initializer_that_hangs_past_the_start_up_bound_is_a_timeout_error():
     from nn_handler.utils._workers.executor import ExecutorTimeoutError
 
-    monkeypatch.setattr(pool, "START_TIMEOUT", 3)  # start-up's own bound; the task timeout is not it
-    ex = ParallelExecutor(device_ids=CPU2, timeout=1, initializer=lambda device: time.sleep(120))
+    # start-up's own bound; the task timeout is not it
+    ex = ParallelExecutor(device_ids=CPU2, timeout=1, start_timeout=3, initializer=lambda device: time.sleep(120))
     begin = time.monotonic()
     with pytest.raises(ExecutorTimeoutError, match=r"^initializer failed .* its initializer did not finish within "
-                                                   r"3s \(START_TIMEOUT") as info:
+                                                   r"3s \(the executor's start_timeout") as info:
         ex.start()
     assert isinstance(info.value, TimeoutError) and time.monotonic() - begin < 3 + 20
     assert all(s.process is None for s in ex._pool._slots)

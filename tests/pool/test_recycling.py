@@ -103,6 +103,24 @@ def test_worker_memory_limit_does_not_count_a_result_already_sent():
         assert ex.submit(_count).result(timeout=60)[0] == pid  # the worker holds nothing above the limit: kept
 
 
+def _resident(_=None):
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
+    return os.getpid(), sum(int(value.split()[0]) for value in fields.values()) << 10
+
+
+def test_worker_memory_limit_does_not_count_the_pages_a_worker_shares_with_its_server():
+    # Most of an idle worker's resident set is torch's import, shared with the server it was forked from and
+    # with the other workers: a limit under it replaced every worker after every task.
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        _, resident = probe.submit(_resident).result(timeout=60)
+        private = probe.submit(_memory).result(timeout=60)
+    assert private < resident // 2, (private >> 20, resident >> 20)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=resident // 2) as ex:
+        pids = {ex.submit(_resident).result(timeout=60)[0] for _ in range(3)}
+    assert len(pids) == 1, "an idle worker was replaced for the pages it shares"
+
+
 def _results(megabytes, count):
     import torch
 

@@ -7,6 +7,7 @@ Each test lists the files it cares about (``nnh-<pid>-*``, pid of the process th
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from helpers import kill_group, pids_alive, run_command
+from helpers import REPO, kill_group, pids_alive, run_command
 from nn_handler import ParallelExecutor, WorkerDiedError
 
 CPU2 = ["cpu", "cpu"]
@@ -368,10 +369,92 @@ def test_a_held_file_let_go_is_not_read_through_the_number_another_file_took_sin
             transport.loads(data)
     finally:
         transport.remove_files([now])
-    with open(os.devnull) as other:  # takes the number the held files had
-        assert other.fileno() == now[1]
-        transport.remove_files([now, gone])  # let go twice: nothing happens, above all not to this file
-        os.fstat(other.fileno())
+    with open(os.devnull) as other:
+        os.dup2(other.fileno(), now[1])  # another file takes the number the held files had
+        try:
+            transport.remove_files([now, gone])  # let go twice: nothing happens, above all not to this file
+            os.fstat(now[1])
+        finally:
+            os.close(now[1])
+
+
+_FEW_DESCRIPTORS = textwrap.dedent("""
+    import json, os, resource, socket, sys, time
+    import torch
+    from nn_handler import ParallelExecutor
+
+    def wait_for(path):
+        while not os.path.exists(path):
+            time.sleep(0.01)
+
+    if __name__ == "__main__":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        own = [open(os.devnull) for _ in range(120)]  # the program's own files
+        out = {}
+        with ParallelExecutor(max_workers=1) as ex:
+            blocker = ex.submit(wait_for, sys.argv[1])
+            try:
+                # 1 MiB each: a file per argument, held until its call ends; all queued behind the blocker
+                futures = [ex.submit(torch.sum, torch.full((1 << 18,), float(i))) for i in range(150)]
+                with socket.socket() as sock:
+                    out["socket"] = sock.fileno()  # the program's next descriptor
+            finally:
+                open(sys.argv[1], "w").close()
+            out["sums"] = [float(f.result(timeout=120)) for f in futures]
+            more = []
+            try:
+                while True:
+                    more.append(open(os.devnull))  # the program takes every descriptor left
+            except OSError:
+                pass
+            try:
+                ex.submit(torch.sum, torch.ones(1 << 18))
+            except Exception as exc:
+                out["error"] = [type(exc).__name__, isinstance(exc, OSError), str(exc)]
+            for f in more:
+                f.close()
+        print("RESULT", json.dumps(out))
+""")
+
+
+def test_large_arguments_queued_hold_few_descriptors_and_leave_the_programs_low_ones(tmp_path):
+    # ulimit -n 256 and 120 files of the program's own: submit raised PayloadPicklingError (a TypeError) saying
+    # "Too many open files" (half the limit went to queued arguments), where ProcessPoolExecutor works.
+    script = tmp_path / "caller.py"
+    script.write_text(_FEW_DESCRIPTORS)
+    result = run_command([sys.executable, str(script), str(tmp_path / "go")], timeout=90,
+                         env={"PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stdout[-4000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    assert out["sums"] == [float(i * (1 << 18)) for i in range(150)]
+    assert out["socket"] < 160, out["socket"]  # not above the descriptors held for queued arguments
+    kind, is_os_error, message = out["error"]  # no descriptor left at all: ours, and said so
+    assert is_os_error and kind != "PayloadPicklingError" and "nn_handler holds" in message, out["error"]
+
+
+def _refuse_other_processes_descriptors():
+    """An initializer: this worker may not open /proc/<another pid>/fd (a caller that is not dumpable, another
+    uid, ptrace rules of SELinux or AppArmor, some sandboxes)."""
+    import errno
+
+    real = os.open
+
+    def opener(path, flags, *args, **kwargs):
+        text = os.fsdecode(path) if isinstance(path, (str, bytes)) else ""
+        if text.startswith("/proc/") and "/fd/" in text and not text.startswith("/proc/self/"):
+            raise PermissionError(errno.EACCES, "Permission denied", text)
+        return real(path, flags, *args, **kwargs)
+
+    os.open = opener
+
+
+def test_workers_refused_the_callers_descriptors_are_sent_named_files():
+    # Every argument of 1 MiB or more failed as ParallelExecutionError[PermissionError], read as the task's own.
+    with ParallelExecutor(max_workers=1, initializer=_refuse_other_processes_descriptors) as ex:
+        assert float(ex.submit(torch.sum, torch.ones(1 << 19)).result(timeout=60)) == 1 << 19
+        assert [float(s) for s in ex.map(torch.sum, [torch.ones(1 << 19)] * 2)] == [1 << 19] * 2
+    assert _files(os.getpid()) == []
 
 
 # ----------------------------------------------------------------------------- CUDA results

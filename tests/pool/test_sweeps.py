@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -53,6 +54,19 @@ def takes_a_device_by_keyword(x, *, device):
 
 
 def has_a_default_device(x, device="cpu"):
+    return x, str(device)
+
+
+def with_device(fn):
+    """A decorator that supplies the device itself (as gin's @configurable or a hand-written one would)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, device="cpu", **kwargs)
+    return wrapper
+
+
+@with_device
+def given_its_device_by_a_wrapper(x, device):
     return x, str(device)
 
 
@@ -110,6 +124,14 @@ def test_a_function_that_needs_a_device_in_a_pool_that_passes_none_is_told_so_at
     text = str(info.value)
     assert f"{fn.__name__} needs a `device` argument" in text and "pass_device=True" in text, text
     assert "device_ids" in text and "default" in text, text
+
+
+def test_a_wrapper_that_supplies_the_device_is_not_refused(pool):
+    # The check read the wrapped function's signature (x, device) through __wrapped__ and refused the call,
+    # which works: the wrapper's own (*args, **kwargs) is what the worker calls.
+    assert pool.submit(given_its_device_by_a_wrapper, 1).result(timeout=60) == (1, "cpu")
+    assert list(pool.map(given_its_device_by_a_wrapper, [1, 2])) == [(1, "cpu"), (2, "cpu")]
+    assert list(pool.map(given_its_device_by_a_wrapper, [3], return_exceptions=True)) == [(3, "cpu")]
 
 
 def test_a_function_given_its_device_by_the_caller_or_by_default_runs_without_one(pool):

@@ -153,7 +153,6 @@ _SLOW_START = """
     if __name__ == "__main__":
         import json
         from nn_handler import ParallelExecutor, ParallelExecutionError
-        from nn_handler.utils._workers import pool
 
         def error_of(**kwargs):
             try:
@@ -166,11 +165,9 @@ _SLOW_START = """
         os.environ["NNH_TEST_IMPORT_TAKES"] = "3"
         with ParallelExecutor(max_workers=1, timeout=2) as ex:  # the task timeout is per task
             out["slow_top_level"] = ex.submit(f, 1).result()
-        pool.START_TIMEOUT = 1  # the start-up's own bound
-        out["slow_start"] = error_of()
+        out["slow_start"] = error_of(start_timeout=1)  # the start-up's own bound
         os.environ["NNH_TEST_IMPORT_TAKES"] = "0"
-        out["slow_initializer"] = error_of(initializer=load, initargs=(30,))
-        pool.START_TIMEOUT = 60
+        out["slow_initializer"] = error_of(initializer=load, initargs=(30,), start_timeout=1)
         out["initializer_dies"] = error_of(initializer=die)
         os.environ["NNH_TEST_IMPORT_DIES"] = "1"
         out["start_dies"] = error_of()
@@ -183,7 +180,8 @@ def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
     assert out["slow_top_level"] == 2  # timeout=2 with a 3 s top level: the call succeeds
     kind, message = out["slow_start"]
     assert kind == "ExecutorTimeoutError" and "worker start-up" in message and "initializer" not in message, message
-    assert "did not start within 1s" in message and "START_TIMEOUT" in message and "killed" in message, message
+    assert "did not start within 1s" in message and "killed" in message, message
+    assert "ParallelExecutor(start_timeout=...)" in message, message
     kind, message = out["slow_initializer"]
     assert kind == "ExecutorTimeoutError" and "initializer did not finish within 1s" in message, message
     kind, message = out["initializer_dies"]
@@ -194,6 +192,69 @@ def test_start_up_has_its_own_bound_and_errors_say_which_part_failed(tmp_path):
 
 
 # ----------------------------------------------------------------------------- threads
+_NOT_IMPORTABLE = """
+    import json, sys
+    from nn_handler import ParallelExecutionError, ParallelExecutor
+
+    if __name__ == "__main__":
+        sys.path.insert(0, sys.argv[1])  # a broken nn_handler first on the path the workers get
+        try:
+            with ParallelExecutor(max_workers=1) as ex:
+                ex.submit(abs, 1).result()
+        except ParallelExecutionError as exc:
+            print("RESULT", json.dumps([type(exc).__name__, str(exc)]))
+"""
+
+
+def test_a_worker_that_cannot_import_nn_handler_gets_no_main_guard_hint(tmp_path):
+    (tmp_path / "shadow" / "nn_handler").mkdir(parents=True)
+    (tmp_path / "shadow" / "nn_handler" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    kind, message = _run(tmp_path, _NOT_IMPORTABLE, tmp_path / "shadow")
+    assert kind == "WorkerDiedError" and "died during start-up" in message, message
+    assert "__main__" not in message and "import nn_handler" in message, message  # not the main guard's hint
+
+
+_EXEC = """
+    import glob, json, os, sys, time
+
+    def big(go):
+        import torch
+
+        while not os.path.exists(go):  # the caller is about to exec
+            time.sleep(0.005)
+        return torch.ones(1 << 22)  # 16 MiB: a file of its own in /dev/shm
+
+    def gone(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    if __name__ == "__main__":
+        if sys.argv[1] == "after-exec":  # the same process, a new program: nobody reads the workers' pipes now
+            deadline = time.monotonic() + 60
+            while not gone(int(sys.argv[2])) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = glob.glob(f"/dev/shm/nnh-{os.getpid()}-*")
+            print("RESULT", json.dumps({"gone": gone(int(sys.argv[2])), "left": left}))
+        else:
+            from nn_handler import ParallelExecutor  # (the program after the exec does without torch)
+
+            go = sys.argv[2]
+            ex = ParallelExecutor(max_workers=1)
+            worker = ex.submit(os.getpid).result()
+            ex.submit(big, go)
+            open(go, "w").close()
+            os.execv(sys.executable, [sys.executable, __file__, "after-exec", str(worker)])
+"""
+
+
+def test_an_exec_of_the_caller_while_a_call_is_in_flight_leaves_no_result_file(tmp_path):
+    out = _run(tmp_path, _EXEC, "before", tmp_path / "go")
+    assert out["gone"] and out["left"] == [], out  # the worker removed the file of a reply nobody reads
+
+
 _THREADS = """
     import os
     def threads(*_):
@@ -239,22 +300,36 @@ _SEEDS = """
     import torch
     from nn_handler import ParallelExecutor
 
+    # Seeded at the top level: each worker imports this script again (and the initializer's module, which seeds
+    # too), and must still draw numbers of its own.
+    torch.manual_seed(0); random.seed(0); numpy.random.seed(0)
+
     def draw(*_, device=None):
         return [float(torch.rand(1)), random.random(), float(numpy.random.rand())]
 
     if __name__ == "__main__":
+        import seeds_at_import
         torch.manual_seed(int(sys.argv[1]))
         with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
             a = ex.run(draw)
-        with ParallelExecutor(device_ids=["cpu", "cpu"]) as ex:
+        with ParallelExecutor(device_ids=["cpu", "cpu"], initializer=seeds_at_import.nothing) as ex:
             b = ex.run(draw)
         with ParallelExecutor(device_ids=["cpu"], max_tasks_per_worker=1, pass_device=False) as ex:
             c = [ex.submit(draw).result() for _ in range(2)]  # a replacement for each task
         print("RESULT", json.dumps({"draws": a + b + c, "caller": draw()}))
 """
 
+_SEEDS_AT_IMPORT = """
+    import random, torch
+    torch.manual_seed(0); random.seed(0)
+
+    def nothing(device):
+        pass
+"""
+
 
 def test_every_worker_draws_its_own_random_numbers_the_same_run_to_run(tmp_path):
+    (tmp_path / "seeds_at_import.py").write_text(textwrap.dedent(_SEEDS_AT_IMPORT))
     out = _run(tmp_path, _SEEDS, 0)
     draws = out["draws"] + [out["caller"]]
     for stream in range(3):  # torch, random, numpy: no two workers (pools, replacements) nor the caller alike

@@ -92,8 +92,8 @@ class Bookkeeping:
         try:
             return (encoder or self._args).dumps(obj)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise  # no room in shared memory nor in the temp dir: not a pickling problem
+            if exc.errno in (errno.ENOSPC, errno.EMFILE, errno.ENFILE):
+                raise  # no room in shared memory nor in the temp dir, no descriptor left: not a pickling problem
             raise PayloadPicklingError(str(exc)) from exc
         except Exception as exc:
             raise PayloadPicklingError(str(exc)) from exc

@@ -22,7 +22,7 @@ from ...errors import ConfigurationError, DeviceError
 from .._devices import cuda_count, parse_device_ids
 from . import pickler
 from .function_memo import FunctionMemo
-from .pool import ExecutorTimeoutError, PayloadPicklingError, WorkerPool
+from .pool import START_TIMEOUT, ExecutorTimeoutError, PayloadPicklingError, WorkerPool
 from .map_chunks import _MapChunks, _Progress, _check_map_timeout, _length, _results
 from .sweep import Settled, check_device_given, cpu_pool, function_name, required_device
 from .transport import Encoder, PackedFunction
@@ -70,8 +70,8 @@ def _worker_devices(num_gpus: int | None, device_ids: Sequence[int | str] | None
     return [str(d) for d in devices]
 
 
-def _check_timeout(timeout: float | None) -> float | None:
-    return check_number("timeout", timeout, unit="seconds", allow_none=True)
+def _check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
+    return check_number(name, timeout, unit="seconds", allow_none=True)
 
 
 _positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code object -> device position
@@ -105,18 +105,36 @@ def _find_device_position(func, pass_device: bool) -> int | None:
     if not pass_device:
         return None
     try:
-        params = list(inspect.signature(func).parameters.values())
+        # What the callable itself takes: a wrapper (functools.wraps) may supply or consume `device` itself.
+        params = list(inspect.signature(func, follow_wrapped=False).parameters.values())
     except (TypeError, ValueError):
         return None  # builtins without a signature: try the keyword
     for i, p in enumerate(params):
         if p.name == "device":
             positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             return i if positional else None
+    if any(p.kind == p.VAR_POSITIONAL for p in params) and hasattr(func, "__wrapped__"):
+        # A wrapper taking (*args, **kwargs) passes them on: the device goes where the wrapped function takes it
+        # positionally (def f(device, data) called as f(data): first), else by keyword.
+        position = _wrapped_device_position(func)
+        if position is not None:
+            return position
     if not any(p.kind == p.VAR_KEYWORD for p in params):
         raise TypeError(
             f"{_name(func)} takes no `device` argument but pass_device=True; "
             f"add a `device` parameter or pass pass_device=False"
         )
+    return None
+
+
+def _wrapped_device_position(func) -> int | None:
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == "device" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return i
     return None
 
 
@@ -238,16 +256,22 @@ class ParallelExecutor(concurrent.futures.Executor):
         timeout: Seconds per task from when its function starts (loading it,
             e.g. its module's first import, gets as long again); a task past
             it raises ``TimeoutError`` and its stuck worker is replaced. A
-            worker's start-up (initializer included) has a bound of its own
-            (``START_TIMEOUT`` of :mod:`~nn_handler.utils._workers.pool`, 300 s).
+            worker's start-up (initializer included) has a bound of its own:
+            ``start_timeout``.
+        start_timeout: Seconds a worker (a Ray actor) may take to start: its
+            process, the import of your main script, the initializer (loading
+            a large model); past it the start raises
+            :class:`~nn_handler.ExecutorTimeoutError`. 300 by default; ``None``:
+            no bound.
         initializer: Run once in each worker at start (``initializer(*initargs,
             device=...)`` when ``pass_device``), e.g. to load a model per GPU.
         initargs: Arguments for ``initializer``.
         max_tasks_per_worker: Replace a worker after this many tasks (its
             initializer runs again in the new one); ``None``: never.
         worker_memory_limit: Replace a worker whose memory after a task is
-            above this many bytes (on the CPU private plus shared memory it keeps, argument files it still
-            maps whole, less its result files; ``torch.cuda.memory_reserved`` on a GPU); ``None``: never.
+            above this many bytes (on the CPU its private pages, not those it shares with its server, and
+            the argument files it still maps, whole, less its result files; ``torch.cuda.memory_reserved`` on a
+            GPU); ``None``: never.
             Each replacement is logged (INFO).
         backend: ``"local"``: worker processes on this machine. ``"ray"``:
             one Ray actor per device anywhere in a Ray cluster (``num_gpus=1``
@@ -274,7 +298,7 @@ class ParallelExecutor(concurrent.futures.Executor):
 
     def __init__(self, num_gpus: int | None = None, pass_device: bool | None = None, *,
                  max_workers: int | None = None, device_ids: Sequence[int | str] | None = None,
-                 timeout: float | None = None,
+                 timeout: float | None = None, start_timeout: float | None = START_TIMEOUT,
                  initializer: Callable[..., Any] | None = None, initargs: tuple = (),
                  max_tasks_per_worker: int | None = None, worker_memory_limit: int | None = None,
                  backend: str = "local", address: str | None = None):
@@ -298,6 +322,7 @@ class ParallelExecutor(concurrent.futures.Executor):
             import_ray()  # before anything else: without Ray, say which extra brings it
         self.backend = backend
         self.timeout = _check_timeout(timeout)
+        start_timeout = _check_timeout(start_timeout, "start_timeout")
         self.pass_device = bool(pass_device)
         check_int("max_tasks_per_worker", max_tasks_per_worker, minimum=1, allow_none=True)
         check_int("worker_memory_limit", worker_memory_limit, minimum=1, allow_none=True)
@@ -318,11 +343,11 @@ class ParallelExecutor(concurrent.futures.Executor):
             from .ray_pool import RayPool
 
             self._pool = RayPool(ray_kinds, pass_device=self.pass_device, init_blob=init_blob, address=address,
-                                 start_timeout=self.timeout)
+                                 start_timeout=start_timeout)
             self.devices = self._pool.devices
         else:
             self._pool = WorkerPool(self.devices, pass_device=self.pass_device, init_blob=init_blob,
-                                    threads=_threads_per_worker(len(self.devices)),
+                                    threads=_threads_per_worker(len(self.devices)), start_limit=start_timeout,
                                     max_tasks=max_tasks_per_worker, memory_limit=worker_memory_limit)
         # Workers end with the executor even if it is dropped without shutdown() (once the tasks submitted
         # are done), and at interpreter exit without waiting for a daemon thread's call. Nothing of ours

@@ -241,6 +241,20 @@ def write_message(fd: int, data: bytes) -> None:
                 view = view[os.write(fd, view):]
 
 
+def reader_gone(fd: int) -> bool:
+    """Whether nobody holds the reading end of the pipe whose writing end is ``fd`` (a write would fail).
+
+    Example:
+        >>> r, w = os.pipe(); alive = reader_gone(w); os.close(r)
+        >>> alive, reader_gone(w)
+        (False, True)
+        >>> os.close(w)
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
 def send(fd: int, process, data: bytes, deadline: float | None) -> bool:
     """Write one message in ``Connection.send_bytes``' framing; True when the worker read none of it.
 

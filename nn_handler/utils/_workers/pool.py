@@ -32,7 +32,7 @@ No worker is a fork of the caller. Workers come from a forkserver that is a
 fresh interpreter (it imported torch once for all of them and never touches
 CUDA), or from ``spawn`` where there is none: :mod:`.server` decides. Each new
 worker gets the caller's environment as it is when the worker starts and its
-own random seeds (:func:`.worker.inherit`), and imports with the caller's
+own random seeds (:func:`.worker.seed_streams`, after its imports), and imports with the caller's
 ``sys.path``; see docs/executor.md, "How a worker starts, and what it inherits".
 """
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -65,13 +66,15 @@ from .worker import guard_against_bootstrap, worker_main
 
 __all__ = ["WorkerPool", "ExecutorTimeoutError", "PayloadPicklingError"]
 
+logger = logging.getLogger(__name__)
 _pool_ids = itertools.count()
 
-# Seconds a new worker may take to be ready to run tasks: its process, the import of the caller's main script
-# (`import transformers` and friends), the initializer (loading a model). A bound of its own, generous, whatever
-# the task timeout (which is per task): a start that never ends (a script that joins a process group at import
-# time, without a main guard) is killed and said so, one that is only slow is left to finish. None: no bound.
-START_TIMEOUT: float | None = 300.0
+# The default of ParallelExecutor(start_timeout=...): seconds a new worker may take to be ready to run tasks: its
+# process, the import of the caller's main script (`import transformers` and friends), the initializer (loading a
+# model). A bound of its own, generous, whatever the task timeout (which is per task): a start that never ends (a
+# script that joins a process group at import time, without a main guard) is killed and said so, one that is only
+# slow is left to finish.
+START_TIMEOUT = 300.0
 
 
 _open_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # what the exit hook waits for
@@ -106,20 +109,22 @@ class WorkerPool(Scheduler):
         pass_device: Call functions with ``device=torch.device(...)``.
         init_blob: Pickled ``(initializer, initargs)``, run once per worker start.
         threads: ``torch.set_num_threads`` value in each worker.
-        start_timeout: Seconds a worker may take to start (initializer
-            included) before it is killed; ``None``: :data:`START_TIMEOUT`.
-            An attribute too, for a caller whose deadline covers start-up.
+        start_limit: Seconds a worker may take to start (initializer
+            included) before it is killed (the executor's ``start_timeout``); ``None``: no bound.
+        start_timeout: The same, for a caller whose deadline covers start-up (it wins over ``start_limit``);
+            an attribute too.
         max_tasks: Replace a worker after this many tasks (``None``: never).
         memory_limit: Replace a worker whose memory after a task exceeds this many bytes.
     """
 
     def __init__(self, devices: list[str], *, pass_device: bool, init_blob: bytes | None, threads: int,
-                 start_timeout: float | None = None, max_tasks: int | None = None, memory_limit: int | None = None):
+                 start_limit: float | None = START_TIMEOUT, start_timeout: float | None = None,
+                 max_tasks: int | None = None, memory_limit: int | None = None):
         self.devices = list(devices)
         self._pass_device = pass_device
         self._init_blob = init_blob
         self._threads = threads
-        self.start_timeout = start_timeout
+        self.start_timeout, self.start_limit = start_timeout, start_limit
         self._max_tasks, self._memory_limit = max_tasks, memory_limit
         self.import_main = True  # a new worker imports the caller's main script (see server.inheritance)
         self._token = f"{os.getpid()}-{next(_pool_ids)}"
@@ -156,6 +161,8 @@ class WorkerPool(Scheduler):
         self._dying: list = []  # killed workers not reaped yet (see _kill)
         self._failing = False  # a call is failing: the workers killed with it are not waited for
         self._stale_files: list = []  # file prefixes of those workers, to drop with them
+        self._stale_names: list = []  # the same, whose named files are not removed yet (see _drop_stale_names)
+        self._descriptors_checked = False  # whether workers were seen to open this process's files (see start)
         _open_pools.add(self)
 
     # ----------------------------------------------------------------- life cycle
@@ -176,18 +183,30 @@ class WorkerPool(Scheduler):
             guard_against_bootstrap()
             self._reap()  # a new worker starts once the one it replaces is gone (its memory, its GPU)
             ctx = server.context()
+            probe = None if self._descriptors_checked else _transport.probe(self._args.prefix)
             try:
                 for slot in fresh:
-                    self._start_worker(ctx, slot)
-                self._await_ready(fresh)
+                    self._start_worker(ctx, slot, probe)
+                refusals = self._await_ready(fresh)
                 self._wake()  # the engine watches the new pipes from now on
             except BaseException:
                 # Ctrl-C during the initializer, a process that could not be
                 # created: the workers started so far end with the start.
                 self.terminate()
                 raise
+            finally:
+                if probe is not None:
+                    _transport.remove_files([probe])
+            self._descriptors_checked = True
+            if probe is not None and refusals:
+                # The workers cannot open this process's files through /proc/<pid>/fd: name them instead (they
+                # are then removed by the pool, and by a worker that outlives this process).
+                logger.info("workers cannot open this process's files through /proc (%s): large arguments go "
+                            "through named files", refusals[0])
+                for encoder in (self._args, self.functions, self._items):
+                    encoder.hold = False
 
-    def _start_worker(self, ctx, slot: _Slot) -> None:
+    def _start_worker(self, ctx, slot: _Slot, probe=None) -> None:
         slot.incarnation += 1
         parent_conn, child_conn = pipes.channel(ctx)
         reads, started = ctx.RawValue("Q", 0), ctx.RawValue("d", 0.0)  # see _Slot.reads, _Slot.started
@@ -203,7 +222,7 @@ class WorkerPool(Scheduler):
                   self._pass_device, prefix, os.getpid(), reads, started,
                   # one worker id for each place and replacement: no two workers of the pool draw alike
                   server.inheritance(self._seed, slot.index + len(self._slots) * (slot.incarnation - 1),
-                                     main=self.import_main)),
+                                     main=self.import_main), probe),
             name=f"nn_handler-worker-{slot.index}",
             daemon=False,
         )
@@ -232,11 +251,12 @@ class WorkerPool(Scheduler):
             slot.has_fn_for, slot.served, slot.probing = None, 0, False
             slot.functions = _transport.FunctionCache()  # a new process holds no function yet
 
-    def _await_ready(self, fresh: list[_Slot]) -> None:
+    def _await_ready(self, fresh: list[_Slot]) -> list[str]:
+        """Wait until every worker of ``fresh`` is ready; why those that could not open the probe could not."""
         pending = {s.conn: s for s in fresh}
-        initializing: set[int] = set()  # slots whose worker runs the initializer (it said so)
-        failures, exceptions, timed_out = [], {}, False
-        bound = self.start_timeout if self.start_timeout is not None else START_TIMEOUT
+        stage: dict[int, str] = {}  # slot index -> "main" (imports the main script) or "init" (the initializer)
+        failures, exceptions, timed_out, refusals = [], {}, False, []
+        bound = self.start_timeout if self.start_timeout is not None else self.start_limit
         deadline = None if bound is None else time.monotonic() + bound
         while pending:
             sentinels = {s.process.sentinel: s for s in pending.values()}
@@ -244,10 +264,11 @@ class WorkerPool(Scheduler):
             ready_handles = wait(list(pending) + list(sentinels), timeout=left)
             if not ready_handles:
                 why = (f"the call's {bound:g}s timeout" if self.start_timeout is not None else
-                       f"{bound:g}s (START_TIMEOUT in {__name__}: a worker's start-up has a bound of its own, "
-                       f"apart from the task timeout)")
+                       f"{bound:g}s (the executor's start_timeout: a worker's start-up has a bound of its own, "
+                       f"apart from the task timeout; pass ParallelExecutor(start_timeout=...) for a slow start, "
+                       f"None for no bound)")
                 for slot in list(pending.values()):
-                    what = "its initializer did not finish" if slot.index in initializing else "did not start"
+                    what = "its initializer did not finish" if stage.get(slot.index) == "init" else "did not start"
                     failures.append(RankFailure(
                         rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type="TimeoutError",
                         message=f"{what} within {why}; worker killed"))
@@ -259,18 +280,24 @@ class WorkerPool(Scheduler):
                 if slot is None or slot.conn not in pending:
                     continue
                 reply = self._receive(slot)
-                if reply is not None and reply[0] == "init":  # started: the initializer runs now
-                    initializing.add(slot.index)
+                while reply is not None and reply[0] in ("main", "init"):  # where its start-up has come to
+                    stage[slot.index] = reply[0]
                     if not slot.inbox.has_message():
-                        continue  # wait on, for its pipe or its end
+                        break
                     reply = self._receive(slot)
+                if reply is not None and reply[0] in ("main", "init"):
+                    continue  # wait on, for its pipe or its end
                 del pending[slot.conn]
                 if reply is None:
+                    where = stage.get(slot.index)
                     failures.append(self._death(
-                        slot, during="start-up, in its initializer" if slot.index in initializing else "start-up"))
+                        slot, during="start-up, in its initializer" if where == "init" else "start-up",
+                        importing_main=where == "main"))
                 elif reply[0] == "err":
                     self._record_error(slot, reply[2], failures, exceptions)
                     self._kill(slot)
+                elif reply[2] is not None:  # ready, but it could not open this process's files
+                    refusals.append(reply[2])
         if failures:
             self._close_now(ask=True)
             if timed_out:
@@ -278,8 +305,9 @@ class WorkerPool(Scheduler):
             else:
                 cls = WorkerDiedError if all(f.died for f in failures) else ParallelExecutionError
             failed = {f.rank for f in failures}
-            function = "initializer" if failed & initializing else "worker start-up"
+            function = "initializer" if any(stage.get(rank) == "init" for rank in failed) else "worker start-up"
             raise cls(failures, exceptions, function=function)
+        return refusals
 
     def shutdown(self, *, wait: bool = True, ask: bool = True, cancel: bool = False) -> None:
         """Stop every worker once the queued and running tasks are done; idempotent.
@@ -450,6 +478,7 @@ class WorkerPool(Scheduler):
             self._unloaded_of_killed[slot.files], slot.unloaded = slot.unloaded, 0
         elif self._failing:  # freeing a large result file's memory takes milliseconds too
             self._stale_files.append(slot.files)
+            self._stale_names.append(slot.files)
         else:
             self._drop_files(slot.files)
 
@@ -480,13 +509,22 @@ class WorkerPool(Scheduler):
                 del self._unloaded_of_killed[files]
                 self._drop_files(files)
 
+    def _drop_stale_names(self) -> None:
+        """Remove the named files of workers that ended in a failed call (a result one was sending), once the
+        call has failed: a kill of this process would leave them. The files it holds open (spares of earlier
+        results, freed with it however it ends) go when the workers are reaped (see :meth:`_kill`)."""
+        with self._lock:
+            stale, self._stale_names = self._stale_names, []
+        for prefix in stale:
+            _transport.remove_prefixed(prefix)
+
     @staticmethod
     def _drop_files(prefix: str) -> None:
         """Remove what is left of a worker's files, named or open (results mapped from them stay valid)."""
         _transport.remove_prefixed(prefix)
         lending.forget(prefix)
 
-    def _death(self, slot: _Slot, during: str = "the call") -> RankFailure:
+    def _death(self, slot: _Slot, during: str = "the call", importing_main: bool = False) -> RankFailure:
         slot.process.join(1.0)
         exitcode = slot.process.exitcode
         hint = ""
@@ -498,9 +536,12 @@ class WorkerPool(Scheduler):
         else:
             if self._closed:  # killed by shutdown(wait=False) from another thread, e.g. at interpreter exit
                 hint = "; the executor was shut down while the call ran"
-            elif during == "start-up":
+            elif importing_main:  # in the top level of the caller's script
                 hint = ("; see its output above. If your script creates the executor at import time, start it "
                         "under `if __name__ == \"__main__\":` (workers import the main module)")
+            elif during == "start-up":  # before it could import the script: nn_handler or torch, where it runs
+                hint = ("; see its output above: it ended before it reached your code (can this Python import "
+                        "nn_handler and torch with your sys.path?)")
             message = f"worker died during {during} ({describe_exit(exitcode)}){hint}"
         record = RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, message=message,
                              exitcode=exitcode)

@@ -126,12 +126,10 @@ class DeviceActor:
         import torch
 
         _worker._index = index
-        if seed is not None:
-            # As a local worker's (see worker.inherit): from the pool's seed and the actor's place. An actor
-            # that Ray restarted draws anew, from fresh seeds: its first life's numbers are not repeated.
-            if ray.get_runtime_context().was_current_actor_reconstructed:
-                seed = int.from_bytes(os.urandom(8), "little")
-            _worker.seed_streams(seed, index)
+        if seed is not None and _restarted(ray):
+            # An actor that Ray restarted draws anew, from fresh seeds: its first life's numbers are not repeated.
+            seed = int.from_bytes(os.urandom(8), "little")
+        self.seed = seed  # applied once the initializer's module is imported (see _initialize)
         self.index, self.pass_device = index, pass_device
         if kind == "cuda" and not torch.cuda.is_available():
             # Ray gave this actor a GPU that torch cannot see (a cluster that declares GPUs it lacks).
@@ -150,14 +148,19 @@ class DeviceActor:
         self.init_blob, self.init_failure = init_blob, None
 
     def _initialize(self) -> None:
-        """Run the initializer, once per process."""
+        """Seed this actor's random streams and run the initializer, once per process."""
         init_blob, self.init_blob = self.init_blob, None
-        if init_blob is not None:
-            try:
-                initializer, initargs = _transport.loads(init_blob)
-                self._call(initializer, initargs, {})
-            except BaseException as exc:  # reported by every call, as the local pool's start-up does
-                self.init_failure = self._failure(exc)
+        seed, self.seed = self.seed, None
+        try:
+            initializer = _transport.loads(init_blob) if init_blob is not None else None
+            if seed is not None:
+                # As a local worker's (see worker.seed_streams): from the pool's seed and the actor's place, after
+                # the initializer's imports (a module that seeds at its top level would seed every actor alike).
+                _worker.seed_streams(seed, self.index)
+            if initializer is not None:
+                self._call(initializer[0], initializer[1], {})
+        except BaseException as exc:  # reported by every call, as the local pool's start-up does
+            self.init_failure = self._failure(exc)
 
     def _call(self, fn_and_position, args, kwargs):
         return _worker.call_with_device(fn_and_position, args, kwargs, self.device, self.pass_device)
@@ -197,6 +200,14 @@ class DeviceActor:
             return "ok", detach_cpu(result), self.where  # as the local pool: detached, on the CPU
         except BaseException as exc:  # SystemExit too: the actor stays, as a replaced local worker would
             return "err", self._failure(exc), self.where
+
+
+def _restarted(ray) -> bool:
+    """Whether Ray restarted this actor (its constructor runs again)."""
+    with warnings.catch_warnings():
+        # Ray's own property reads the deprecated `actor_id` (a RayDeprecationWarning at every actor start).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def with_place(record: RankFailure, where) -> RankFailure:

@@ -52,14 +52,13 @@ def died(slot, exc: BaseException, during: str) -> RankFailure:
                         f"call")
 
 
-def not_started(ray, slot, waited: float, asked: float | None, what: str = "start") -> str:
+def not_started(ray, slot, waited: float, what: str = "start") -> str:
     """Why an actor is not up after ``waited`` seconds: what it needs, and what the cluster has free now."""
     needs = {("GPU" if k == "num_gpus" else "CPU"): v for k, v in resources(slot.device).items() if v}
     free = ray.available_resources()
     have = {k: free.get(k, 0.0) for k in needs}
-    longer = "" if asked is None or asked >= waited else f" (the timeout, {asked:g}s, is made longer for a new actor)"
-    return (f"actor did not {what} within {waited:g}s{longer}: it needs {needs} and the cluster has {have} free "
-            f"now (if short, free those resources or add nodes; else its initializer is slow)")
+    return (f"actor did not {what} within {waited:g}s (start_timeout): it needs {needs} and the cluster has "
+            f"{have} free now (if short, free those resources or add nodes; else its initializer is slow)")
 
 
 def lost(ray, slot, name: str, error: BaseException) -> tuple[RankFailure, BaseException | None]:

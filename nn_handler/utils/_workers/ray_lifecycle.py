@@ -70,8 +70,7 @@ class ActorLifecycle:
         for slot, ref in zip(self._slots, refs):
             if ref in waiting:
                 failures.append(RankFailure(rank=slot.index, device=slot.device, exc_type="TimeoutError",
-                                            message=_failures.not_started(self._ray, slot, self._start_timeout,
-                                                                          self._asked_timeout)))
+                                            message=_failures.not_started(self._ray, slot, self._start_timeout)))
                 continue
             try:
                 failure, slot.where = self._ray.get(ref)

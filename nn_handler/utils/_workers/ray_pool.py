@@ -50,8 +50,6 @@ from .task_errors import describe
 
 __all__ = ["RayPool"]
 
-# Seconds an actor may take to start, initializer included, when the task timeout is shorter.
-_START_ALLOWANCE = 60.0
 # Largest payload (bytes) sent inside a task rather than through Ray's object store: Ray's own limit
 # for arguments it inlines (max_direct_call_object_size).
 _INLINE_BYTES = 100 * 1024
@@ -69,7 +67,7 @@ class RayPool(ActorLifecycle):
         init_blob: Pickled ``(initializer, initargs)``, run in each actor at every (re)start, by its
             first task: an initializer that ends its process fails that task (no endless restarts).
         address: As ``ray.init`` takes it; used only when this process has no Ray yet.
-        start_timeout: Seconds the actors may take to start (initializer included).
+        start_timeout: Seconds the actors may take to start (initializer included); ``None``: no bound.
     """
 
     def __init__(self, devices: list[str] | None, *, pass_device: bool, init_blob: bytes | None,
@@ -84,9 +82,7 @@ class RayPool(ActorLifecycle):
             raise
         self._pass_device, self._init_blob = pass_device, init_blob
         self._seed = server.base_seed()  # the actors' random streams, as a local pool's workers' (not the env)
-        # A new actor process imports torch (seconds): a short task timeout still leaves it that long to start.
-        self._start_timeout = None if start_timeout is None else max(start_timeout, _START_ALLOWANCE)
-        self._asked_timeout = start_timeout
+        self._start_timeout = start_timeout
         # Functions travel whole the first time (Ray's object store carries their large tensors like any argument).
         self.functions = _transport.Encoder(None, private=True)
         self._fn_ids = itertools.count(1)
@@ -341,7 +337,7 @@ class RayPool(ActorLifecycle):
                     if slot.starting:  # Ray has not brought it back (no room in the cluster?): left as it is
                         slot.starting = False
                         self._fail(task, _failures.record(slot, _failures.not_started(
-                            self._ray, slot, self._start_timeout, self._asked_timeout, what="come back"),
+                            self._ray, slot, self._start_timeout, what="come back"),
                             exc_type="TimeoutError"))
                     else:
                         self._fail(task, _failures.record(slot, f"still running after the {task.call.timeout:g}s "

@@ -19,6 +19,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Concatenate, Iterable, Iterato
 
 from ..._checks import check_choice, check_int, check_number, invalid
 from .executor import P, R, ParallelExecutor, _check_timeout, _worker_devices
+from .pool import START_TIMEOUT
 from .ray_actor import import_ray, ray_devices
 
 if TYPE_CHECKING:
@@ -173,28 +174,29 @@ def parallelize_on_gpus(num_gpus: Callable[..., R]) -> ParallelFunction[..., R]:
 @overload
 def parallelize_on_gpus(num_gpus: int | None = None, pass_device: Literal[True] = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60, backend: str = "local",
+                        start_timeout: float | None = START_TIMEOUT, keep_alive: float = 60, backend: str = "local",
                         address: str | None = None) -> DeviceDecorator: ...
 @overload
 def parallelize_on_gpus(num_gpus: int | None, pass_device: Literal[False], *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60, backend: str = "local",
+                        start_timeout: float | None = START_TIMEOUT, keep_alive: float = 60, backend: str = "local",
                         address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 @overload
 def parallelize_on_gpus(num_gpus: int | None = None, *, pass_device: Literal[False],
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60, backend: str = "local",
+                        start_timeout: float | None = START_TIMEOUT, keep_alive: float = 60, backend: str = "local",
                         address: str | None = None) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 @overload
 def parallelize_on_gpus(num_gpus: int | None = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60, backend: str = "local",
+                        start_timeout: float | None = START_TIMEOUT, keep_alive: float = 60, backend: str = "local",
                         address: str | None = None) -> Callable[[Callable[..., R]], ParallelFunction[..., R]]: ...
 
 
 def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
                         device_ids: Sequence[int | str] | None = None, timeout: float | None = None,
-                        keep_alive: float = 60, backend: str = "local", address: str | None = None) -> Any:
+                        start_timeout: float | None = START_TIMEOUT, keep_alive: float = 60, backend: str = "local",
+                        address: str | None = None) -> Any:
     """Run the decorated function on every GPU at once; the call returns one result per GPU.
 
     Repeated calls reuse one warm pool, shut down after ``keep_alive`` idle
@@ -206,6 +208,7 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
         pass_device: Pass ``device=torch.device(...)`` to the function.
         device_ids: Which devices, e.g. ``[0, 2]`` or ``["cpu", "cpu"]``.
         timeout: Seconds per call.
+        start_timeout: Seconds a worker may take to start (see :class:`~nn_handler.ParallelExecutor`).
         keep_alive: Idle seconds before the warm pool shuts down.
         backend: ``"local"`` (worker processes here) or ``"ray"`` (one Ray
             actor per device; see :class:`~nn_handler.ParallelExecutor`).
@@ -248,6 +251,7 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
                           hint="pass backend='ray' to run on a Ray cluster")
         devices = tuple(_worker_devices(num_gpus, device_ids))
     _check_timeout(timeout)
+    _check_timeout(start_timeout, "start_timeout")
 
     def decorate(func: Callable[P, R]) -> ParallelFunction[P, R]:
         if not callable(func):
@@ -258,10 +262,12 @@ def parallelize_on_gpus(num_gpus: Any = None, pass_device: bool = True, *,
                 warnings.simplefilter("ignore", RuntimeWarning)  # already warned at decoration
                 if backend == "ray":
                     return ParallelExecutor(num_gpus, pass_device, device_ids=None if devices is None else
-                                            list(devices), timeout=timeout, backend="ray", address=address)
-                return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout)
+                                            list(devices), timeout=timeout, start_timeout=start_timeout,
+                                            backend="ray", address=address)
+                return ParallelExecutor(len(devices), pass_device, device_ids=list(devices), timeout=timeout,
+                                        start_timeout=start_timeout)
 
-        key = (devices, pass_device, timeout, backend, address)
+        key = (devices, pass_device, timeout, start_timeout, backend, address)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> list[R]:

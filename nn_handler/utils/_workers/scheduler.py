@@ -173,6 +173,8 @@ class Scheduler(Bookkeeping):
         # the lock was let go may have driven rounds of its own (it called run()): they load their own.
         if batch:
             self._load_replies(batch)
+        if self._stale_names:
+            self._drop_stale_names()  # a dead worker's files (a result it was sending): its call has failed now
         return True
 
     def _watch_list(self) -> dict:

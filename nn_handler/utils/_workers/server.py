@@ -20,7 +20,8 @@ what the workers would run). A worker then gets what a spawned process gets
 environment as it is when the worker starts, the main module to import once
 that is in place, and its own random seeds (:func:`base_seed` of its pool,
 which leaves the caller's generator as it was, and its worker id);
-:func:`.worker.inherit` applies them in the worker.
+:func:`.worker.inherit` applies the environment in the worker, :func:`.worker.seed_streams` the seeds once
+the worker's imports are done.
 
 :func:`context` decides how workers start; ``spawn`` is used where there is
 no forkserver (not POSIX), in a child made with ``os.fork()`` (its parent's
@@ -69,7 +70,7 @@ def context():
 
 def base_seed() -> int:
     """A pool's base seed: a hash of the caller's torch generator state, read without drawing from it, and of how
-    many pools this process seeded before; see :func:`.worker.inherit`.
+    many pools this process seeded before; see :func:`.worker.seed_streams`.
 
     The caller's next numbers are the ones it would draw without any pool (``ProcessPoolExecutor`` draws
     nothing either); after ``torch.manual_seed`` the workers draw the same numbers run to run; two pools of one
@@ -94,7 +95,7 @@ _pools_seeded = itertools.count()  # pools of this process given a base seed: on
 
 
 def inheritance(seed: int, worker_id: int, *, main: bool = True) -> tuple:
-    """What a new worker gets from the caller, for :func:`.worker.inherit`: the environment as it is now, the
+    """What a new worker gets from the caller, for :func:`.worker.worker_main`: the environment as it is now, the
     main module to import once the environment is in place (``main=False``: none), its pool's ``seed`` and its
     own ``worker_id`` (unique in the pool, replacements included)."""
     from multiprocessing import spawn

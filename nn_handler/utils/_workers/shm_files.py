@@ -56,7 +56,10 @@ _create_lock = threading.Lock()
 # a descriptor closed twice would close another file that took its number meanwhile.
 _held: dict[int, int] = {}
 _held_lock = threading.Lock()
-_held_max: list = []  # [how many files may be held at once], filled at first use
+# At most this many held at once (fewer under a small `ulimit -n`): the program's own descriptors are not ours
+# to spend (thousands of large arguments queued took as many). Past it, files are named until their call ends.
+HELD_FILES = 32
+_held_max: list = []  # [how many files may be held at once, the lowest number they take], filled at first use
 
 
 def remove_files(refs) -> None:
@@ -82,14 +85,15 @@ def create(prefix: str, number: int, nbytes: int, *, spill: bool, hold: bool) ->
 
     ``hold``: the file keeps no name; ``fd`` stays open until :func:`remove_files` lets it go (the caller's
     files, read while it lives). Otherwise ``ref`` is the file's name and the caller closes ``fd``. Where
-    ``/proc`` is missing, or the process holds as many files as it may (half its descriptors' limit: a long
-    queue of large arguments), the file is named as it was before.
+    ``/proc`` is missing, or the process holds as many files as it may (:data:`HELD_FILES`: a long queue of
+    large arguments), the file is named as it was before.
     """
     path, fd = _create(prefix, number, nbytes, spill=spill)
     if not (hold and _may_hold()):
         return path, fd
     try:
         os.unlink(path)  # at once: from now on the file lasts as long as a descriptor of it, however we end
+        fd = _out_of_the_way(fd)
         info = os.fstat(fd)
     except BaseException:
         os.close(fd)
@@ -124,18 +128,65 @@ def open_file(ref, flags: int) -> int:
     return own
 
 
+def probe(prefix: str | None) -> tuple | None:
+    """A held file of one byte for new workers to open as they would the caller's files (see :func:`refused`),
+    or ``None`` where files are named anyway. Remove it with :func:`remove_files` (``[probe]``)."""
+    if not prefix:
+        return None
+    ref, fd = create(prefix, 0, 1, spill=False, hold=True)
+    if type(ref) is str:
+        os.close(fd)
+        remove_files([ref])
+        return None
+    return ref
+
+
+def refused(ref) -> str | None:
+    """In a worker: why it cannot open the caller's held file ``ref`` (from :func:`probe`), or ``None``.
+
+    ``/proc/<pid>/fd`` is refused where the caller is not dumpable, runs under another uid, or ptrace rules
+    (Yama, SELinux, AppArmor, some sandboxes) forbid it: the caller then names its files instead.
+    """
+    try:
+        os.close(open_file(ref, os.O_RDONLY))
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _may_hold() -> bool:
     if not _held_max:
-        try:
-            import resource
-
-            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            limit = 1 << 16 if limit == resource.RLIM_INFINITY else limit
-        except (ImportError, ValueError, OSError):
-            limit = 1024
-        _held_max.append(limit // 2 if os.path.isdir("/proc/self/fd") else 0)
+        limit = _open_files_limit()
+        most = min(HELD_FILES, limit // 8) if os.path.isdir("/proc/self/fd") else 0
+        # Held files take numbers from here up, below the limit and apart from the low ones the program's own
+        # files and sockets take (select() takes none above 1023): they do not push the program's next ones up.
+        _held_max.extend((most, max(3, min(limit, 4096) - 2 * most)))
         os.register_at_fork(after_in_child=_forget_held)
     return len(_held) < _held_max[0]
+
+
+def _open_files_limit() -> int:
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return 1 << 16 if limit == resource.RLIM_INFINITY else limit
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
+def _out_of_the_way(fd: int) -> int:
+    """``fd``, moved to a number at or above the held files' lowest (see :func:`_may_hold`) where one is free."""
+    import fcntl
+
+    if fd >= _held_max[1]:
+        return fd
+    try:
+        moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _held_max[1])
+    except OSError:
+        return fd  # none free up there: it stays where it is
+    os.close(fd)
+    return moved
 
 
 def _forget_held() -> None:
@@ -185,7 +236,16 @@ def _create(prefix: str, number: int, nbytes: int, *, spill: bool) -> tuple[str,
         _seen_dirs.add(directory)
     path = f"{directory}/{name}{number}"
     with _create_lock:
-        return path, os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            return path, os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise OSError(exc.errno, f"{exc.strerror} while creating a shared-memory file for a large tensor "
+                                     f"(ulimit -n is {_open_files_limit()}; nn_handler holds {len(_held)} "
+                                     f"descriptors, its files for the large arguments of calls in flight): close "
+                                     f"some of your program's files, or raise the limit (ulimit -n, "
+                                     f"resource.setrlimit)", path) from exc
 
 
 def _warn_spill(directory: str) -> None:
@@ -205,8 +265,13 @@ def _warn_spill(directory: str) -> None:
         RuntimeWarning, stacklevel=2)
 
 
-def remove_prefixed(prefix: str | None) -> None:
-    """Remove every file left under ``prefix``, spilled ones too (a sender died before its reader unlinked)."""
+def remove_prefixed(prefix: str | None, *, final: bool = False) -> None:
+    """Remove every file left under ``prefix``, spilled ones too (a sender died before its reader unlinked).
+
+    ``final``: this process is about to exit; no file is created after this.
+    """
+    if final:
+        _create_lock.acquire()  # never released: the process ends
     if prefix:
         directory, name = os.path.split(prefix)
         for d in {directory, spill_dir()}:

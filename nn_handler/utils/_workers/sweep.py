@@ -93,7 +93,8 @@ def required_device(func, every_callable: bool = True) -> int | None:
 
 def _device_in_signature(func) -> int | None:
     try:
-        params = inspect.signature(func).parameters.values()
+        # The callable's own signature: a wrapper that supplies `device` (functools.wraps) needs none from us.
+        params = inspect.signature(func, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):
         return None  # builtins without a signature
     for i, p in enumerate(params):

@@ -57,7 +57,7 @@ from .pickler import Pickler
 from .function_memo import fresh_copy
 from .shm_files import SHM_DIR_ENV, _seen_dirs, _warn_spill, create, open_file, remove_files, spill_dir
 # Re-exported (their home was here): the pool and the worker name their files through the transport.
-from .shm_files import remove_prefixed, remove_process_files, shm_prefix  # noqa: F401
+from .shm_files import probe, refused, remove_prefixed, remove_process_files, shm_prefix  # noqa: F401
 
 # Below this size a tensor is cheaper as bytes in the message than as a file
 # to create, map and unlink.

@@ -12,8 +12,8 @@ tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's own reply, after which the
-worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``init`` (started, the initializer
-runs) or ``ready``; a ``"memory"``
+worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``main`` (it imports the caller's
+main script), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
 message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
 """
 
@@ -84,7 +84,7 @@ def worker_index() -> int | None:
 _WATCHDOG_PERIOD = 0.5
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, reply_fd: int | None = None, results: str | None = None) -> None:
     # However this worker ends (EOF from a dead caller, a broken pipe while it
     # replied), the files its caller left in shared memory go with it: a caller
     # killed by a signal cleans nothing, and nobody else knows these names.
@@ -96,7 +96,10 @@ def _watch_parent(parent_pid: int) -> None:
     while _parent_alive(parent_pid):
         if server is not None and os.getppid() != server:
             # Our server died: the caller learns of our end from it, so it counts us gone (see server.cut_off)
-            # and nobody would see us end later. We end now, leaving its files to it.
+            # and nobody would see us end later. We end now, leaving its files to it; our results' files too,
+            # unless the caller no longer reads our pipe (it ran os.execv(): the same pid, nobody to read them).
+            if reply_fd is not None and pipes.reader_gone(reply_fd):
+                _transport.remove_prefixed(results, final=True)
             os._exit(1)
         time.sleep(_WATCHDOG_PERIOD)
     _transport.remove_process_files(parent_pid, final=True)
@@ -173,22 +176,25 @@ def call_each(fn_and_position, items, device, pass_device: bool) -> list:
 
 
 def worker_main(conn, index: int, device_str: str, threads: int, init_blob: bytes | None, pass_device: bool,
-                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None) -> None:
+                shm_prefix: str | None, parent_pid: int, reads=None, started=None, inherited=None,
+                probe=None) -> None:
     """Entry point of one worker process (started by :class:`~nn_handler.utils._workers.pool.WorkerPool`).
 
     ``reads``: a shared counter of the messages this worker has read in full (see the pool's ``_Slot.reads``).
     ``started``: where it stamps (``time.monotonic()``) each call's start, once function and arguments are loaded.
-    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit`.
+    ``inherited``: ``(environ, main, base_seed, worker_id)``, see :func:`inherit` and :func:`seed_streams`.
+    ``probe``: a file the caller holds, to open as its files are (see :func:`.shm_files.refused`).
     """
     global _index
     _index = index
     environ, main, *seed = inherited or (None, None)
     if environ is not None:
-        inherit(environ, *seed)
+        inherit(environ)
     # Ctrl-C in a terminal reaches the whole process group; the caller decides
     # what happens to its workers, so they must not die half-way on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watchdog").start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, conn.writer.fileno(), shm_prefix), daemon=True,
+                     name="parent-watchdog").start()
     import torch
 
     torch.set_num_threads(threads_wanted(threads))
@@ -199,19 +205,26 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         return call_with_device(fn_and_position, args, kwargs, device, pass_device)
 
     try:
+        if main:  # the pool tells a death here (a script's top level) from one before (nn_handler not importable)
+            conn.send_bytes(pickle.dumps(("main", None, os.getpid())))
         _import_main(main)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init_blob is not None:
             conn.send_bytes(pickle.dumps(("init", None, os.getpid())))  # start-up is over (see the pool's bound)
             initializer, initargs = _transport.loads(init_blob)
+        if seed:
+            # After the imports (the main script, the initializer's module), as DataLoader seeds its workers:
+            # a script that seeds at its top level seeds every worker alike when imported.
+            seed_streams(*seed)
+        if init_blob is not None:
             call(initializer, initargs, {})
         # What is alive now (torch's ~170k objects, the initializer's model)
         # lives as long as the worker: leave it out of garbage collections,
         # so that a full one costs well under a millisecond instead of ~85 ms
         # (release_mapped runs one after some calls).
         gc.freeze()
-        conn.send_bytes(pickle.dumps(("ready", None, os.getpid())))
+        conn.send_bytes(pickle.dumps(("ready", None, None if probe is None else _transport.refused(probe))))
     except BaseException as exc:
         record, blob = failure_record(index, device_str, exc, traceback.format_exc())
         conn.send_bytes(pickle.dumps(("err", None, (record, blob))))
@@ -234,7 +247,10 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         message = inbox.receive()  # the envelope: plain tuples and bytes, no code of the user's runs
         spinning = time.perf_counter() - waited < pipes.SPIN
         if message is None:
-            return  # the pool closed our pipe: shut down
+            # Our caller is gone, or closed our pipe without a word (it ran os.execv(): its pid lives on, so
+            # nobody cleans after it): the results it did not map, nobody will.
+            _transport.remove_prefixed(shm_prefix)
+            return
         # Counted before anything of it runs (unpickling the payload may run
         # user code): a worker that dies with the count short of a task never
         # started it, so the pool can give it to a replacement without running
@@ -294,6 +310,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         try:
             pipes.write_message(fd, pickle.dumps(reply))
         except OSError:
+            _transport.remove_prefixed(shm_prefix)  # the files written for it (see above, at EOF)
             return  # the pool closed our pipe: nobody is left to read it
         if _ending:
             return
@@ -303,36 +320,37 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         message = payload_blob = payload = args = kwargs = result = body = reply = failure = None
 
 
-def inherit(environ: dict, base_seed: int, worker_id: int) -> None:
-    """Give this new worker the caller's environment and its own random streams.
+def inherit(environ: dict) -> None:
+    """Give this new worker the caller's ``os.environ`` as it was when the worker started (the server it was
+    forked from has the one of its own start).
 
-    The environment is the caller's ``os.environ`` as it was when the worker
-    started (the server it was forked from has the one of its own start).
-    ``torch``, ``random`` and ``numpy`` (when torch imported it) are seeded as
-    :class:`~torch.utils.data.DataLoader` seeds its workers: ``base_seed``
-    (:func:`.server.base_seed`: the caller's torch generator state when the pool
-    was made, read without drawing from it, and the pool's number in its
-    process) plus ``worker_id`` (unique in its pool, replacements included),
-    and numpy from the two mixed: independent across workers, pools and
-    replacements, the same run to run after ``torch.manual_seed`` in the caller.
-
-    Example:
-        >>> import random, torch
-        >>> saved = random.getstate(), torch.get_rng_state(), dict(os.environ)
-        >>> inherit(dict(os.environ), 1234, 0); a = random.random(), float(torch.rand(1))
-        >>> inherit(dict(os.environ), 1234, 0); a == (random.random(), float(torch.rand(1)))
-        True
-        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    Its random streams are seeded later (:func:`seed_streams`), once the main script and the initializer's
+    module are imported: top-level code that seeds would seed every worker alike.
     """
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
-    seed_streams(base_seed, worker_id)
 
 
 def seed_streams(base_seed: int, worker_id: int) -> None:
-    """Seed ``torch``, ``random`` and ``numpy`` (when imported) of this process from its pool's seed and its id,
-    as :func:`inherit` describes (a Ray actor gets the same)."""
+    """Seed ``torch``, ``random`` and ``numpy`` (when imported) of this worker from its pool's seed and its id.
+
+    As :class:`~torch.utils.data.DataLoader` seeds its workers, after their imports: ``base_seed``
+    (:func:`.server.base_seed`: the caller's torch generator state when the pool was made, read without
+    drawing from it, and the pool's number in its process) plus ``worker_id`` (unique in its pool,
+    replacements included), and numpy from the two mixed: independent across workers, pools and
+    replacements, the same run to run after ``torch.manual_seed`` in the caller. A Ray actor gets the same.
+
+    Example:
+        >>> import random, torch
+        >>> saved = random.getstate(), torch.get_rng_state()
+        >>> seed_streams(1234, 0); a = random.random(), float(torch.rand(1))
+        >>> seed_streams(1234, 0); a == (random.random(), float(torch.rand(1)))
+        True
+        >>> seed_streams(1234, 1); a == (random.random(), float(torch.rand(1)))
+        False
+        >>> random.setstate(saved[0]); torch.set_rng_state(saved[1])
+    """
     import random
 
     import torch
@@ -361,19 +379,19 @@ def _import_main(main: dict | None) -> None:
 
 
 def memory_in_use(device, results: str | None = None) -> int:
-    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private memory
-    plus the shared memory it created or keeps (``share_memory_()`` tensors, ``MAP_SHARED`` mappings, the
-    whole of every argument file it still maps, touched or not), less the result files (``results*``) it
-    writes again through mappings it keeps, which the caller maps too.
-    The libraries' pages, shared with the server and the other workers, do not count."""
+    """Bytes this worker holds: the CUDA caching allocator's reserve on a GPU; on the CPU its private pages
+    (``Private_*`` of ``/proc/self/smaps_rollup``: what it wrote since it was forked, ``share_memory_()``
+    tensors and ``MAP_SHARED`` mappings it alone maps) plus the whole of every argument file it still maps,
+    touched or not, less the result files (``results*``) it writes again through mappings it keeps, which
+    the caller maps too.
+    The pages it shares with the server and the other workers (torch's import: most of an idle worker's
+    resident set) do not count."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
-        held = sum(int(value.split()[0]) for value in fields.values()) << 10
+        held = _private_bytes()
     except (OSError, ValueError):  # no /proc: the peak resident set instead (kilobytes on Linux, bytes on macOS)
         import resource
 
@@ -381,17 +399,29 @@ def memory_in_use(device, results: str | None = None) -> int:
         return peak if sys.platform == "darwin" else peak * 1024
     if not results:
         return held
-    shared, kept = _mapped_files(results)
-    return held - shared + kept
+    results_private, arguments_private, arguments_whole = _mapped_files(results)
+    return held - results_private - arguments_private + arguments_whole
+
+
+def _private_bytes() -> int:
+    """This process's private pages (mapped by it alone), from ``/proc/self/smaps_rollup``; where the kernel
+    has none (before Linux 4.14), its anonymous and shared resident pages from ``/proc/self/status``."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            lines = [line for line in f if line.startswith(("Private_Clean:", "Private_Dirty:"))]
+    except FileNotFoundError:
+        with open("/proc/self/status") as f:
+            lines = [line for line in f if line.startswith(("RssAnon:", "RssShmem:"))]
+    return sum(int(line.split(":", 1)[1].split()[0]) for line in lines) << 10
 
 
 # An argument's file, as the pool names them (nnh-<pid>-<pool>-a-<n>: run and submit, -m-: map items).
 _ARGUMENT_FILE = re.compile(r"nnh-\d+-\d+-[am]-\d+(?: \(deleted\))?$")
 
 
-def _mapped_files(results: str) -> tuple[int, int]:
-    """``(resident bytes of this worker's result files results*, bytes of the argument files it maps that no
-    page of it touched)``, unlinked since or not, in the shared-memory directory.
+def _mapped_files(results: str) -> tuple[int, int, int]:
+    """``(private bytes of this worker's result files results*, private bytes of the argument files it maps,
+    their whole size)``, unlinked since or not, in the shared-memory directory.
 
     A task that keeps a view (``t[:10]``) of an argument keeps its whole file in shared memory, though the
     resident set counts only the pages the worker touched. Files spilled elsewhere (no room in the
@@ -410,24 +440,25 @@ def _mapped_files(results: str) -> tuple[int, int]:
     try:
         with open("/proc/self/maps") as f:  # cheap; smaps (tens of ms with torch's mappings) only when needed
             if not any(directory in line and kind(line.split(maxsplit=5)[-1].rstrip("\n")) for line in f):
-                return 0, 0
-        shared, files, mapping = 0, {}, None
+                return 0, 0, 0
+        results_private, files, mapping = 0, {}, None
         with open("/proc/self/smaps") as f:
             for line in f:
                 if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
                     fields = line.split(maxsplit=5)
                     found = kind(fields[5].rstrip("\n")) if len(fields) == 6 else None
                     mapping = None if found is None else (found, fields[4])  # (kind, inode)
-                elif mapping is not None and line.startswith(("Size:", "Rss:")):
+                elif mapping is not None and line.startswith(("Size:", "Private_Clean:", "Private_Dirty:")):
                     size = int(line.split()[1]) << 10
                     if mapping[0] == "results":
-                        shared += size if line[0] == "R" else 0
-                    else:  # per file: its size (the largest mapping of it), and its pages touched
-                        whole, touched = files.get(mapping[1], (0, 0))
-                        files[mapping[1]] = (max(whole, size), touched) if line[0] == "S" else (whole, touched + size)
-        return shared, sum(max(0, whole - touched) for whole, touched in files.values())
+                        results_private += size if line[0] == "P" else 0
+                    else:  # per file: its size (the largest mapping of it), and its private pages
+                        whole, private = files.get(mapping[1], (0, 0))
+                        files[mapping[1]] = (max(whole, size), private) if line[0] == "S" else (whole, private + size)
+        return (results_private, sum(private for _, private in files.values()),
+                sum(whole for whole, _ in files.values()))
     except (OSError, ValueError):
-        return 0, 0
+        return 0, 0, 0
 
 
 def guard_against_bootstrap() -> None:
