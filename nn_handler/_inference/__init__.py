@@ -9,8 +9,8 @@ engine behind them, one job per module:
   back in input order or has the workers write them to disk, splits a batch that runs out of memory, records
   failures (``on_error``), resumes what a killed run left, runs on Ray with ``backend="ray"``.
 - ``layout``: the files of a predictions directory: names, the safetensors shard format, atomic writes, the index.
-- ``store``: a predictions directory as a run writes it: shards written by any process, the manifest, what is done, refusal
-  of a rerun whose data or settings differ.
+- ``store``: a predictions directory as a run writes it: shards written by any process, the manifest, what is
+  done, refusal of a rerun whose data or settings differ.
 - ``reader``: :class:`~nn_handler.Predictions`, the outputs read back lazily in input order, later, anywhere.
 
 The padding of ragged outputs to the longest in memory is :mod:`nn_handler._padding`, shared with
