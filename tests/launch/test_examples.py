@@ -128,7 +128,7 @@ def test_train_ddp_without_matplotlib_skips_the_plot_in_one_line(tmp_path):
                       "--nprocs", "1", env=without_extras_env(tmp_path))
     assert out.count("matplotlib") == 1, out
     assert "no loss_curve.png: matplotlib is not installed (pip install 'nn_handler[plot]')" in out
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt", "history.csv", "model.pt"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt", "history.csv", "history_steps.csv", "model.pt"]
 
 
 def _gan_losses(out: str) -> list[tuple[float, float]]:
