@@ -38,16 +38,28 @@ def batch_end_calls(callbacks: list) -> list[BatchEnd]:
             for cb in callbacks]
 
 
-def takes_outputs(hook: Callable) -> bool:
-    """True when the bound ``on_batch_end`` accepts a fourth argument (a parameter, or ``*args``)."""
+def accepts_positional(hook: Callable, count: int) -> bool:
+    """True when ``hook`` can be called with ``count`` positional arguments (that many parameters, or ``*args``).
+
+    How a hook that grew a parameter (``on_batch_end``'s ``outputs``, the optimizer hooks' ``name``) is told from
+    one written before it: the older form keeps being called as it was.
+
+    Example:
+        >>> accepts_positional(lambda handler, step: None, 3), accepts_positional(lambda *args: None, 3)
+        (False, True)
+    """
     try:
         parameters = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: called as documented, with three
+    except (TypeError, ValueError):  # a builtin without a signature: called as documented, in its older form
         return False
-    kinds = [p.kind for p in parameters]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return True
-    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds) >= 4
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in parameters)
+            or sum(p.kind in positional for p in parameters) >= count)
+
+
+def takes_outputs(hook: Callable) -> bool:
+    """True when the bound ``on_batch_end`` accepts a fourth argument (a parameter, or ``*args``)."""
+    return accepts_positional(hook, 4)
 
 
 def _without_outputs(hook: Callable) -> BatchEnd:

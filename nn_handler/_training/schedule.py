@@ -31,8 +31,6 @@ Private: :class:`~nn_handler.NNHandler` is the public face (``scheduler=``,
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from typing import Any, Callable
 
@@ -41,6 +39,7 @@ from torch.optim import lr_scheduler
 
 from .._checks import check_choice
 from ..errors import ConfigurationError
+from .hooks import accepts_positional
 
 INTERVALS = ("epoch", "step")
 PER_STEP = (lr_scheduler.OneCycleLR, lr_scheduler.CyclicLR)  # per batch by their own docs
@@ -167,13 +166,7 @@ def takes_name(hook: Callable) -> bool:
         >>> takes_name(Old().on_optimizer_step), takes_name(New().on_optimizer_step)
         (False, True)
     """
-    try:
-        parameters = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: called as documented, with two
-        return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return (any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in parameters)
-            or sum(p.kind in positional for p in parameters) >= 3)
+    return accepts_positional(hook, 3)
 
 
 def _with_name(hook: Callable) -> Callable[[Any, int, str], None]:
