@@ -165,15 +165,16 @@ def _end_process(device):
     os._exit(3)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_an_initializer_that_ends_its_process_fails_the_start(fresh):
     # On Ray the actor ran its initializer as it was built: each restart ran it
-    # again and died again, and start() waited for ever.
-    started = time.monotonic()
+    # again and died again, and start() waited for ever. The bound on start-up
+    # is what a hang would meet (an ExecutorTimeoutError); the first death must
+    # end it before. No wall-clock figure here: an actor's start on a loaded
+    # 2-core machine took 78 s in CI.
     with pytest.raises(WorkerDiedError, match="start-up") as info:
-        make(fresh.backend, initializer=_end_process).start()
+        make(fresh.backend, initializer=_end_process, start_timeout=180).start()
     assert "initializer" in str(info.value)
-    assert time.monotonic() - started < 60
 
 
 def test_context_manager_shuts_down(fresh):
