@@ -18,6 +18,10 @@ from helpers import driver_path_env
 # Ray 2.5x asks for a token unless told otherwise; these clusters live inside the test process.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Every ray.init without an address (the modules', their scripts', the executor's) starts a Ray of its own, as on a
+# machine with no other Ray: by default it joins the cluster last made by `ray start` or ray.cluster_utils (the
+# two-node test's, or one a developer left running) when that is still up.
+os.environ["RAY_ADDRESS"] = "local"
 
 RAY_DAEMONS = (b"raylet", b"gcs_server", b"dashboard", b"log_monitor", b"monitor.py", b"runtime_env_agent",
                b"default_worker", b"ray::")

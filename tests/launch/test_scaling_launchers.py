@@ -45,13 +45,24 @@ def _ok(result) -> list[dict]:
     return parse_results(result.stdout)
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference() -> list[dict]:
     """torchrun --nnodes=1 --nproc_per_node=2, no checkpoints, nothing injected."""
     rows = _ok(run_command(_torchrun(SCRIPT), timeout=RUN_S))
     assert [r["rank"] for r in rows] == [0, 1] and rows[0]["hash"] == rows[1]["hash"]
     assert rows[0]["train_loss"] == rows[1]["train_loss"]  # the History is the same on every rank
     return _summaries(rows)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.fixture(scope="module")
+def reference_for_slurm():
+    """The same run again, for the SLURM test: one fixture shared with it would put the torchrun tests in the
+    SLURM cluster's pytest-xdist group, one after another behind the SLURM tests (tests/conftest.py)."""
+    return _reference()
 
 
 def _launch_together(cmds: list[list[str]], tmp_path, timeout: float) -> list[tuple[int, str]]:
@@ -102,7 +113,7 @@ def test_two_torchrun_nodes_train_like_one_node_with_two_processes(reference, tm
     # One rank on each node process, as the rendezvous assigned them.
     assert sorted(r["rank"] for r in rows) == [0, 1]
     assert {r["rank"] for r in parse_results(nodes[0][1])} != {r["rank"] for r in parse_results(nodes[1][1])}
-    assert _summaries(rows) == reference
+    assert _summaries(rows) == reference_for_slurm
 
 
 @pytest.mark.timeout(300)
@@ -113,7 +124,7 @@ def test_elastic_restart_after_a_hard_exit_mid_epoch_resumes_to_the_same_weights
     rows = _ok(result)
     assert re.search(r"exitcode\W+13\W.*local_rank\W+1", result.stdout), result.stdout[-4000:]
     assert [r["restart_count"] for r in rows] == [1, 1]  # the second attempt finished
-    assert _summaries(rows) == reference
+    assert _summaries(rows) == reference_for_slurm
     # Rotation kept the last two epochs; no temporary file was left behind.
     assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
@@ -226,7 +237,7 @@ def test_an_on_rank0_failure_under_srun_ends_both_tasks_with_the_error(slurm_env
 
 
 @pytest.mark.timeout(300)
-def test_scancel_signal_under_srun_exits_75_and_the_rerun_finishes(slurm_env, reference, tmp_path):
+def test_scancel_signal_under_srun_exits_75_and_the_rerun_finishes(slurm_env, reference_for_slurm, tmp_path):
     cmd = ["srun", "-N1", "-n2", "--time=3", sys.executable, SCRIPT, "--ckpt", str(tmp_path), "--scancel-at", "4"]
     first = run_command(cmd, env=slurm_env, timeout=RUN_S)
     # srun passes the tasks' exit code on: the job says "preempted, rerun me".
@@ -235,4 +246,4 @@ def test_scancel_signal_under_srun_exits_75_and_the_rerun_finishes(slurm_env, re
     second = run_command(cmd, env=slurm_env, timeout=RUN_S)
     rows = _ok(second)
     assert {r["launcher"] for r in rows} == {"slurm"}
-    assert _summaries(rows) == reference
+    assert _summaries(rows) == reference_for_slurm
