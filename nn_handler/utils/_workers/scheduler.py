@@ -257,7 +257,8 @@ class Scheduler(Bookkeeping):
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
             slot.sent += 1
-            pipes.send(slot.fd, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
+            pipes.send(slot.fd, slot.process, pickle.dumps((0, "memory", None, self._memory_limit, ((), ()))),
+                       slot.deadline)
 
     def _handle(self, ready: list, watched: dict) -> None:
         for fd, _ in ready:
@@ -303,9 +304,12 @@ class Scheduler(Bookkeeping):
             return
         if status == "mem":
             slot.probing = False
-            if body > self._memory_limit:
+            held, dropped = body
+            if dropped:  # result files given back, which it kept to write into: let go above the limit
+                lending.spares_dropped(slot.files, dropped)
+            if held > self._memory_limit:
                 logger.info("worker %d (pid %d) replaced: it holds %s after its task, above worker_memory_limit=%s",
-                            slot.index, slot.process.pid, _size(body), _size(self._memory_limit))
+                            slot.index, slot.process.pid, _size(held), _size(self._memory_limit))
                 self._kill(slot)  # recycled: the next task starts a fresh one (the initializer runs again)
             return
         slot.task = None

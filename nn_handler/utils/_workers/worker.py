@@ -16,7 +16,8 @@ worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's 
 worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``refused`` (``body``: why; it may not
 open the caller's files, and nothing of the task ran), ``main`` (it imports the caller's
 main script), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
-message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
+message (payload: the limit) is answered with ``("mem", call_id, (bytes in use, files let go))`` (worker
+recycling, see :func:`memory_report`).
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
-            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device, shm_prefix))))
+            report = memory_report(device, shm_prefix, encoder.lent, payload_blob)
+            pipes.write_message(fd, pickle.dumps(("mem", call_id, report)))
             continue
         running = False
         try:
@@ -387,6 +389,22 @@ def _import_main(main: dict | None) -> None:
         spawn.prepare(main)
     finally:
         del process.current_process()._inheriting
+
+
+def memory_report(device, results: str | None, lent, limit: int) -> tuple[int, list[str]]:
+    """What the memory probe answers (``worker_memory_limit``): ``(bytes, dropped)``.
+
+    :func:`memory_in_use`, plus on the CPU the whole of the result files the caller gave back and this worker
+    keeps to write results into (``lent``'s spares: no result of the caller's lives in them; its results'
+    files, in use there or on their way, are the caller's memory). Above ``limit`` it lets go of those first,
+    as a cache: ``dropped`` names them, for the caller to close too; the worker is replaced only if it is
+    still above the limit without them.
+    """
+    held = memory_in_use(device, results)
+    spares = lent.spare_bytes() if lent is not None and device.type != "cuda" else 0
+    if spares and held + spares > limit:
+        return held, lent.drop_spares()
+    return held + spares, []
 
 
 def memory_in_use(device, results: str | None = None) -> int:
