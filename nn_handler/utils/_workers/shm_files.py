@@ -12,7 +12,9 @@ The caller's files (arguments, map items, a function's large tensors) keep
 no name: each is unlinked the moment it is created, before anything is
 written to it, and lives as long as a descriptor of it, which the caller
 holds until its call is over (see :func:`create`); a worker opens it through
-``/proc/<caller>/fd/<n>``. However the job ends, a kill of the whole process
+``/proc/<caller>/fd/<n>`` (where that is refused, the caller names its files
+instead, and copies those of calls pickled before: :func:`refused`,
+:func:`named_copy`). However the job ends, a kill of the whole process
 group included, the kernel frees what nobody holds, and no name is left in
 ``/dev/shm`` (but an empty one, should the kill land between the two system
 calls that create and unlink it). The name still shows in the processes'
