@@ -128,8 +128,9 @@ def _results(megabytes, count):
 
 
 def test_worker_memory_limit_does_not_count_the_result_files_it_writes_again():
-    """A worker writes a result into the file of one the caller dropped, through a mapping it keeps: memory
-    the caller maps too, not memory the worker grew by (192 MiB of such files here, against a 128 MiB margin)."""
+    """A worker writes a result into the file of one the caller dropped, through a mapping it keeps: lent to
+    the caller again, the caller's memory, not memory the worker grew by (192 MiB of such files here, against a
+    128 MiB margin)."""
     with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
         baseline = probe.submit(_memory).result(timeout=60)
     with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (128 << 20)) as ex:
@@ -140,6 +141,34 @@ def test_worker_memory_limit_does_not_count_the_result_files_it_writes_again():
             pids.append(pid)
             del results
         assert len(set(pids)) == 1, "the worker was replaced for memory it shares with its caller"
+
+
+def _result_files_held(_=None):
+    """This worker's pid, and how many result files it holds open (``nnh-*-w*``, lent to its caller or given
+    back to write again)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += "/nnh-" in os.readlink(f"/proc/self/fd/{fd}") and "-w0." in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return os.getpid(), held
+
+
+def test_worker_memory_limit_counts_the_result_files_a_worker_keeps_for_itself_not_those_it_handed_over():
+    # Results the caller holds are the caller's memory: not counted (the worker keeps their files open to write
+    # again once they are dropped). Files given back and kept to write again count, and over the limit the
+    # worker lets go of them (a cache) before it would be replaced. They were never counted: 192 MiB was kept.
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False) as probe:
+        baseline = probe.submit(_memory).result(timeout=60)
+    with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (128 << 20)) as ex:
+        pid, results = ex.submit(_results, 64, 3).result(timeout=60)  # 192 MiB, handed over: kept by the caller
+        assert ex.submit(_result_files_held).result(timeout=60) == (pid, 3)
+        assert ex.submit(_result_files_held).result(timeout=60) == (pid, 3), "replaced for the caller's results"
+        del results  # given back with the next task: the worker keeps 192 MiB of files to write results into
+        assert ex.submit(_result_files_held).result(timeout=60) == (pid, 3)
+        assert ex.submit(_result_files_held).result(timeout=60) == (pid, 0), "kept its files above the limit"
+        assert _result_files_held()[1] == 0  # the caller let go of them too: their memory is free
 
 
 def _hold_shared(megabytes, how):

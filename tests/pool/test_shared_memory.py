@@ -457,6 +457,60 @@ def test_workers_refused_the_callers_descriptors_are_sent_named_files():
     assert _files(os.getpid()) == []
 
 
+def _refuse_once_marked(marker: str):
+    """An initializer: from the moment ``marker`` exists, this worker may not open /proc/<another pid>/fd, as
+    when its caller turns non-dumpable after the pool started. (As root, with CAP_SYS_PTRACE, a worker could
+    open them anyway: the kernel's refusal is played by ``os.open``.)"""
+    import errno
+
+    real = os.open
+
+    def opener(path, flags, *args, **kwargs):
+        text = os.fsdecode(path) if isinstance(path, (str, bytes)) else ""
+        if (text.startswith("/proc/") and "/fd/" in text and not text.startswith("/proc/self/")
+                and os.path.exists(marker)):
+            raise PermissionError(errno.EACCES, "Permission denied", text)
+        return real(path, flags, *args, **kwargs)
+
+    os.open = opener
+
+
+def _logged_sum(log: str, weights, x):
+    with open(log, "a") as f:
+        f.write("ran\n")
+    return float((weights + x).sum())
+
+
+def _set_dumpable(value: int) -> None:
+    import ctypes
+
+    PR_SET_DUMPABLE = 4
+    assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, value, 0, 0, 0) == 0
+
+
+def test_a_refusal_that_begins_after_start_sends_the_call_again_once_through_named_files(tmp_path):
+    # The check at start passed; the caller then turned non-dumpable: every argument of 1 MiB or more failed
+    # as ParallelExecutionError[PermissionError], read as the task's own error.
+    import functools
+
+    marker, log = tmp_path / "non-dumpable", tmp_path / "ran"
+    big = torch.ones(1 << 19)  # 2 MiB: a file of its own
+    with ParallelExecutor(max_workers=1, initializer=_refuse_once_marked, initargs=(str(marker),)) as ex:
+        assert float(ex.submit(torch.sum, big).result(timeout=60)) == 1 << 19  # held files, opened
+        _set_dumpable(0)
+        try:
+            marker.touch()
+            fn = functools.partial(_logged_sum, str(log), big)  # a large tensor of the function's own too
+            # The first is refused and sent again; the second was pickled before the refusal was known.
+            futures = [ex.submit(fn, big) for _ in range(2)]
+            assert [f.result(timeout=60) for f in futures] == [2.0 * (1 << 19)] * 2
+            assert log.read_text() == "ran\n" * 2  # each ran once
+            assert [float(s) for s in ex.map(torch.sum, [big] * 2)] == [1 << 19] * 2  # named from now on
+        finally:
+            _set_dumpable(1)
+    assert _files(os.getpid()) == []
+
+
 # ----------------------------------------------------------------------------- CUDA results
 @pytest.mark.gpu
 def test_cuda_results_arrive_whole_through_files_written_from_the_device_again_and_again():

@@ -80,6 +80,7 @@ class _Call:
         self.fn_id, self.kind, self.fn_blob, self.name = fn_id, kind, fn_blob, name
         self.timeout, self.future, self.broadcast, self.fail_fast = timeout, future, broadcast, fail_fast
         self.files = list(files)  # shared-memory files of its arguments, removed when it ends
+        self.named: dict | None = None  # named copies of its held files, for workers refused them (see Scheduler)
         self.pending = 0
         self.results: dict = {}
         self.failures: list[RankFailure] = []
@@ -117,7 +118,8 @@ class _Task:
     key: int  # a broadcast: the worker index; else 0
     payload: object  # bytes, or a thunk that writes a map chunk's tensors to shared memory at dispatch
     target: int | None  # the worker that must run it (a broadcast), or None for any
-    resent: bool = False
+    resent: bool = False  # given to a replacement: its worker died before it had read it
+    renamed: bool = False  # sent again, its files named: its worker was refused them (see Scheduler)
 
 
 class CallFuture(Future):

@@ -133,6 +133,15 @@ def forget(owner: str) -> None:
                 _close(table, key)
 
 
+def spares_dropped(owner: str, keys) -> None:
+    """``owner`` let go of its spares ``keys`` (above its memory limit): close them here too, freeing them."""
+    with _lock:
+        files = _owners.get(owner)
+        for key in keys if files is not None else ():
+            if key in files.spare:
+                _close(files.spare, key)
+
+
 def _close(table: dict, key: str) -> str:
     os.close(table.pop(key)[0])
     return key
@@ -224,6 +233,18 @@ class WorkerFiles:
         host[0].copy_(source, non_blocking=host[1] and device)
         if host[1] and device:
             self.host.synchronize(source)
+
+    def spare_bytes(self) -> int:
+        """The size of the files given back, kept to write results into (the caller holds none of their results)."""
+        return sum(self._files[key][1] for key in self._spare)
+
+    def drop_spares(self) -> list[str]:
+        """Let go of every file given back (above the memory limit: a cache, not the task's); their keys, for
+        the caller to close too (:func:`spares_dropped`)."""
+        keys = list(self._spare)
+        for key in keys:
+            self._drop(key)
+        return keys
 
     def abandon(self, key: str, fd: int) -> None:
         """A message that took ``key`` (open on ``fd``) failed before it was sent: let the file go."""

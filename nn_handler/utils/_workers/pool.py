@@ -201,10 +201,7 @@ class WorkerPool(Scheduler):
             if probe is not None and refusals:
                 # The workers cannot open this process's files through /proc/<pid>/fd: name them instead (they
                 # are then removed by the pool, and by a worker that outlives this process).
-                logger.info("workers cannot open this process's files through /proc (%s): large arguments go "
-                            "through named files", refusals[0])
-                for encoder in (self._args, self.functions, self._items):
-                    encoder.hold = False
+                self._name_files_from_now(refusals[0])
 
     def _start_worker(self, ctx, slot: _Slot, probe=None) -> None:
         slot.incarnation += 1

@@ -234,6 +234,7 @@ class Scheduler(Bookkeeping):
             if slot.process is None:
                 self.start([slot])
             payload = task.payload() if callable(task.payload) else task.payload
+            named = self._named_copies(call) if self._named_only else None
         except BaseException as exc:
             if self._closed:
                 raise
@@ -244,6 +245,8 @@ class Scheduler(Bookkeeping):
         fn_part = None if slot.has_fn_for == call.fn_id else call.fn_blob.message(slot.functions)
         # What it may write again, once every reply it sent has been loaded (see lending.settle).
         files = lending.settle(slot.files) if not slot.unloaded else ((), ())
+        if named:
+            files = (*files, named)
         unread = pipes.send(slot.fd, slot.process, pickle.dumps((call.fn_id, call.kind, fn_part, payload, files)),
                             deadline)
         # The rest after the write, while the worker wakes (nobody reads it before the pool lock is let go).
@@ -254,7 +257,8 @@ class Scheduler(Bookkeeping):
         if self._memory_limit is not None:
             slot.probing = True  # read after the result: the worker's memory once the task is done
             slot.sent += 1
-            pipes.send(slot.fd, slot.process, pickle.dumps((0, "memory", None, None, ((), ()))), slot.deadline)
+            pipes.send(slot.fd, slot.process, pickle.dumps((0, "memory", None, self._memory_limit, ((), ()))),
+                       slot.deadline)
 
     def _handle(self, ready: list, watched: dict) -> None:
         for fd, _ in ready:
@@ -295,11 +299,17 @@ class Scheduler(Bookkeeping):
                 self._task_failed(task, self._death(slot, during=during), died=True)
             return
         status, _, body = reply
+        if status == "refused":
+            self._refused(slot, task, body)
+            return
         if status == "mem":
             slot.probing = False
-            if body > self._memory_limit:
+            held, dropped = body
+            if dropped:  # result files given back, which it kept to write into: let go above the limit
+                lending.spares_dropped(slot.files, dropped)
+            if held > self._memory_limit:
                 logger.info("worker %d (pid %d) replaced: it holds %s after its task, above worker_memory_limit=%s",
-                            slot.index, slot.process.pid, _size(body), _size(self._memory_limit))
+                            slot.index, slot.process.pid, _size(held), _size(self._memory_limit))
                 self._kill(slot)  # recycled: the next task starts a fresh one (the initializer runs again)
             return
         slot.task = None
@@ -332,6 +342,42 @@ class Scheduler(Bookkeeping):
                             slot.index, slot.process.pid, slot.served, "s"[:slot.served != 1], self._max_tasks,
                             _held_by(slot.process.pid))
             self._kill(slot)  # recycled, as above
+
+    # ----------------------------------------------------------------- /proc/<pid>/fd refused
+    # Workers open this process's held files (shm_files.create) through /proc/<pid>/fd. Where that is refused
+    # (checked at the pool's first start, or met later: this process turned non-dumpable, changed its uid),
+    # every file is named from then on, and the calls pickled before go with named copies of their files.
+    _named_only = False
+
+    def _name_files_from_now(self, why: str) -> None:
+        if not self._named_only:
+            self._named_only = True
+            logger.info("workers cannot open this process's files through /proc (%s): large arguments go "
+                        "through named files from now on", why)
+            for encoder in (self._args, self.functions, self._items):
+                encoder.hold = False
+
+    def _named_copies(self, call: _Call) -> dict:
+        """The named copies of ``call``'s held files (its arguments', its function's), made once per call."""
+        if call.named is None:
+            call.named = self._args.named_copies([*call.files, *call.fn_blob.files])
+            call.files.extend(call.named.values())  # removed with the call's other files
+        return call.named
+
+    def _refused(self, slot: _Slot, task: _Task, why: str) -> None:
+        """``slot``'s worker may not open the files of ``task`` (nothing of it ran): send it again, once, with
+        its files named, as every later call's are."""
+        slot.task, slot.has_fn_for = None, None  # its function is sent again too (its body only if evicted)
+        self._name_files_from_now(why)
+        if not task.renamed:
+            task.renamed = True
+            self._queue.appendleft(task)
+            return
+        message = (f"{why}; sent again with its files named, it was refused again. Keep the caller dumpable "
+                   f"(no prctl(PR_SET_DUMPABLE, 0), no change of uid) while the executor runs")
+        record = RankFailure(rank=slot.index, device=slot.device, pid=slot.process.pid, exc_type="PermissionError",
+                             message=message)
+        self._task_failed(task, record, PermissionError(message))
 
     def _end_after(self, slot: _Slot, task: _Task, status: str, _, body) -> None:
         """A task's reply, after which its worker ends (an item of a ``return_exceptions`` map raised

@@ -12,7 +12,9 @@ The caller's files (arguments, map items, a function's large tensors) keep
 no name: each is unlinked the moment it is created, before anything is
 written to it, and lives as long as a descriptor of it, which the caller
 holds until its call is over (see :func:`create`); a worker opens it through
-``/proc/<caller>/fd/<n>``. However the job ends, a kill of the whole process
+``/proc/<caller>/fd/<n>`` (where that is refused, the caller names its files
+instead, and copies those of calls pickled before: :func:`refused`,
+:func:`named_copy`). However the job ends, a kill of the whole process
 group included, the kernel frees what nobody holds, and no name is left in
 ``/dev/shm`` (but an empty one, should the kill land between the two system
 calls that create and unlink it). The name still shows in the processes'
@@ -104,21 +106,44 @@ def create(prefix: str, number: int, nbytes: int, *, spill: bool, hold: bool) ->
     return (os.getpid(), fd, info.st_dev, info.st_ino), fd
 
 
+class _Refused(PermissionError):
+    """A worker may not open its caller's held file through ``/proc/<pid>/fd``: a failure of the transport,
+    not of the task (see :func:`open_file`)."""
+
+
+# In a worker, for the call at hand: held files of the caller -> the named copies it made of them, once it
+# learnt that its files are refused (see :func:`named_copy` and the scheduler's "refused" reply).
+_named_instead: dict = {}
+
+
+def use_named(copies: dict | None) -> None:
+    """In a worker: open the named copy ``copies[ref]`` instead of each held file ``ref`` (this call's)."""
+    if _named_instead or copies:  # (once per call: nothing to do, as a rule)
+        _named_instead.clear()
+        _named_instead.update(copies or ())
+
+
 def open_file(ref, flags: int) -> int:
     """A descriptor of the file ``ref`` (from :func:`create`, maybe of another process), opened with ``flags``.
 
     Raises ``FileNotFoundError`` when it is gone: its name removed, or its holder let go of it (the number it
-    had may now be another file's: that is checked, not read).
+    had may now be another file's: that is checked, not read); a ``PermissionError`` (:class:`_Refused`)
+    when ``/proc/<pid>/fd`` is refused (see :func:`refused`).
     """
     if type(ref) is str:
         return os.open(ref, flags)
+    if ref in _named_instead:
+        return os.open(_named_instead[ref], flags)
     pid, fd, device, inode = ref
     gone = FileNotFoundError(errno.ENOENT, f"a shared-memory file of process {pid} was let go before it was read")
     try:
         # O_NONBLOCK: if the number is a pipe's now, opening it must not wait for a writer
         own = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_NONBLOCK | os.O_NOCTTY)
-    except PermissionError:
-        raise
+    except PermissionError as exc:
+        raise _Refused(exc.errno, f"this worker may not open its caller's files through /proc/{pid}/fd "
+                                  f"({exc.strerror}): the caller is not dumpable, runs under another uid, or "
+                                  f"ptrace rules (Yama, SELinux, AppArmor, a sandbox) forbid it",
+                       exc.filename) from exc
     except OSError as exc:
         raise gone from exc
     info = os.fstat(own)
@@ -152,6 +177,30 @@ def refused(ref) -> str | None:
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def named_copy(ref, prefix: str, number: int) -> str:
+    """A named copy of the file ``ref`` that this process holds (see :func:`create`), for workers refused
+    ``/proc/<pid>/fd``; the caller removes it (:func:`remove_files`) with the call's other files."""
+    source = os.open(f"/proc/self/fd/{ref[1]}", os.O_RDONLY)  # (ours: never refused) its descriptor writes only
+    try:
+        size = os.fstat(source).st_size
+        path, out = _create(prefix, number, size, spill=False)
+        try:
+            copied = 0
+            while copied < size:  # in the kernel, from file to file
+                sent = os.sendfile(out, source, copied, size - copied)
+                if not sent:
+                    raise OSError(errno.EIO, f"a shared-memory file ended at {copied} of its {size} bytes")
+                copied += sent
+        except BaseException:
+            remove_files([path])
+            raise
+        finally:
+            os.close(out)
+    finally:
+        os.close(source)
+    return path
 
 
 def _may_hold() -> bool:

@@ -55,9 +55,10 @@ from . import lending
 from .tensor_bytes import pack_list, reduce_tensor
 from .pickler import Pickler
 from .function_memo import fresh_copy
-from .shm_files import SHM_DIR_ENV, _seen_dirs, _warn_spill, create, open_file, remove_files, spill_dir
+from .shm_files import SHM_DIR_ENV, _seen_dirs, _warn_spill, create, named_copy, open_file, remove_files, spill_dir
 # Re-exported (their home was here): the pool and the worker name their files through the transport.
 from .shm_files import probe, refused, remove_prefixed, remove_process_files, shm_prefix  # noqa: F401
+from .shm_files import _Refused, use_named  # noqa: F401  (the worker's, for a caller that turned refused)
 
 # Below this size a tensor is cheaper as bytes in the message than as a file
 # to create, map and unlink.
@@ -302,6 +303,19 @@ class Encoder:
             for path, fd, nbytes in pickler.written:
                 self.lent.lent(path, fd, nbytes)
         return data, pickler.created
+
+    def named_copies(self, refs) -> dict:
+        """``{ref: name}``: a named copy of each file among ``refs`` that this process holds, for workers
+        refused ``/proc/<pid>/fd`` (:func:`.shm_files.use_named`); remove them with :func:`remove_files`."""
+        copies: dict = {}
+        try:
+            for ref in refs:
+                if type(ref) is tuple and ref not in copies:
+                    copies[ref] = named_copy(ref, self.prefix, next(self._counter))
+        except BaseException:
+            remove_files(list(copies.values()))
+            raise
+        return copies
 
     def pack_function(self, fn) -> "PackedFunction":
         """Pickle a function to send, its large tensors (closure, defaults) in files like arguments.

@@ -8,13 +8,16 @@ loaded for this ``call_id`` (a ``map`` sends it once per worker), else a
 worker holds it from an earlier call, and this call's files for its large
 tensors (see :class:`~.transport.FunctionCache`); ``files`` is
 ``(given_back, dropped)``, what the caller says of earlier results' files
-(see :mod:`.lending`). Replies are
+(see :mod:`.lending`), and the named copies of this call's files where
+the caller's are refused to its workers (:func:`.shm_files.use_named`). Replies are
 ``(status, call_id, body)`` with ``status`` in ``ok`` (``body``: the
 result pickled), ``val`` (``body``: a :func:`~.transport.plain` result itself), ``err``, ``exit`` (an error, and the
 worker ends: the function raised ``SystemExit``), ``end`` (``body``: the task's own reply, after which the
-worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``main`` (it imports the caller's
+worker ends: an item of a ``return_exceptions`` map raised ``SystemExit``), ``refused`` (``body``: why; it may not
+open the caller's files, and nothing of the task ran), ``main`` (it imports the caller's
 main script), ``init`` (started, the initializer runs) or ``ready``; a ``"memory"``
-message is answered with ``("mem", call_id, bytes in use)`` (worker recycling).
+message (payload: the limit) is answered with ``("mem", call_id, (bytes in use, files let go))`` (worker
+recycling, see :func:`memory_report`).
 """
 
 from __future__ import annotations
@@ -257,15 +260,18 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
         # anything twice.
         if reads is not None:
             reads.value += 1
-        call_id, kind, fn_blob, payload_blob, (given_back, dropped) = message
+        call_id, kind, fn_blob, payload_blob, (given_back, dropped, *named) = message
         if (given_back or dropped) and encoder.lent is not None:
             encoder.lent.update(given_back, dropped)
         if kind == "stop":
             return
         if kind == "memory":  # worker_memory_limit: what this worker holds once its task is done
-            pipes.write_message(fd, pickle.dumps(("mem", call_id, memory_in_use(device, shm_prefix))))
+            report = memory_report(device, shm_prefix, encoder.lent, payload_blob)
+            pipes.write_message(fd, pickle.dumps(("mem", call_id, report)))
             continue
+        running = False
         try:
+            _transport.use_named(named[0] if named else None)  # (the caller's files named, for this call)
             if fn_blob is not None:
                 # The previous call's function goes first, and the memory of its files with it.
                 cached_call = cached_fn = None
@@ -277,6 +283,7 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
             payload = _transport.loads(payload_blob)
             if started is not None:  # the task's timeout counts from here, not from its module's first import
                 started.value = time.monotonic()
+            running = True
             if kind == "run":
                 args, kwargs = payload
                 result = call(cached_fn, args, kwargs)
@@ -298,13 +305,19 @@ def worker_main(conn, index: int, device_str: str, threads: int, init_blob: byte
                     body, _ = encoder.dumps(settle(result, encoder.probe, device_str))
                 reply = ("ok", call_id, body)
         except BaseException as exc:
-            failure = failure_record(index, device_str, exc, traceback.format_exc())
-            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                # The function asked this process to end: say so, so that the
-                # pool replaces it at once instead of sending it the next call.
-                pipes.write_message(fd, pickle.dumps(("exit", call_id, failure)))
-                return
-            reply = ("err", call_id, failure)
+            if not running and isinstance(exc, _transport._Refused):
+                # The caller's files are refused to us since the pool started (it turned non-dumpable): a
+                # transport failure, and nothing of the task ran. The caller sends it again, named.
+                cached_call = cached_fn = None
+                reply = ("refused", call_id, str(exc))
+            else:
+                failure = failure_record(index, device_str, exc, traceback.format_exc())
+                if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                    # The function asked this process to end: say so, so that the
+                    # pool replaces it at once instead of sending it the next call.
+                    pipes.write_message(fd, pickle.dumps(("exit", call_id, failure)))
+                    return
+                reply = ("err", call_id, failure)
         if _ending:  # an item of a settled map raised SystemExit: its chunk's reply, then this worker ends
             reply = ("end", call_id, reply)
         try:
@@ -376,6 +389,22 @@ def _import_main(main: dict | None) -> None:
         spawn.prepare(main)
     finally:
         del process.current_process()._inheriting
+
+
+def memory_report(device, results: str | None, lent, limit: int) -> tuple[int, list[str]]:
+    """What the memory probe answers (``worker_memory_limit``): ``(bytes, dropped)``.
+
+    :func:`memory_in_use`, plus on the CPU the whole of the result files the caller gave back and this worker
+    keeps to write results into (``lent``'s spares: no result of the caller's lives in them; its results'
+    files, in use there or on their way, are the caller's memory). Above ``limit`` it lets go of those first,
+    as a cache: ``dropped`` names them, for the caller to close too; the worker is replaced only if it is
+    still above the limit without them.
+    """
+    held = memory_in_use(device, results)
+    spares = lent.spare_bytes() if lent is not None and device.type != "cuda" else 0
+    if spares and held + spares > limit:
+        return held, lent.drop_spares()
+    return held + spares, []
 
 
 def memory_in_use(device, results: str | None = None) -> int:
