@@ -13,7 +13,8 @@ Speed rows (items/s):
 
 - ``fixed``: ``parallel_predict(batch_size=64)``, the input in its own order (as before token budgets);
 - ``hand``: a hand-written loop per device (one spawned process per device, each over every other batch of
-  ``fixed``'s batches, the outputs sent back through a queue);
+  ``fixed``'s batches, the outputs sent back through a queue; CPU processes take their share of the cores'
+  threads, as the executor's workers do: two processes of torch's default threads each would oversubscribe);
 - ``tokens``: ``parallel_predict(max_tokens=..., length=len)``: batches by token budget over length-sorted windows;
 - ``ray_data``: Ray Data ``map_batches`` with a pool of one actor per device over ``tokens``'s batches (needs the
   ``ray`` extra; skipped without it). Its cold start is ``ray.init`` (a local Ray of as many CPUs as workers), the
@@ -103,6 +104,8 @@ def load_encoder(device=None) -> nn.Module:
 # ----------------------------------------------------------------------------- the peers
 def hand_worker(rank: int, world: int, device, batches: list[list[torch.Tensor]], queue, received) -> None:
     """A hand-written loop on one device: every world-th batch, outputs back through the queue."""
+    if device == "cpu":  # its share of the cores, as the executor gives each CPU worker (and Ray each actor)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     model = load_encoder().to(device).eval()
     outputs = []
     with torch.inference_mode():
