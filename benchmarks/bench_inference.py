@@ -22,6 +22,10 @@ Speed rows (items/s):
   (no inputs travel per batch, which favours Ray). Each actor asks for one CPU, so Ray runs its torch on one
   thread, as the executor does with two CPU workers on two cores (each worker's share of the cores).
 
+The executor's workers fork from a server that the process's first call starts (importing torch once there):
+later ``parallel_predict`` rows reuse it, as a later call in the same process does; each ``ray_data`` row starts
+its Ray anew.
+
 Ratios (targets in brackets): fixed / hand (>= 0.95), tokens / fixed (>= 5), tokens / ray_data (>= 1.2; also
 shown without ``ray.init``, as on a cluster whose Ray is already running).
 
