@@ -13,12 +13,26 @@ Speed rows (items/s):
 
 - ``fixed``: ``parallel_predict(batch_size=64)``, the input in its own order (as before token budgets);
 - ``hand``: a hand-written loop per device (one spawned process per device, each over every other batch of
-  ``fixed``'s batches, the outputs sent back through a queue);
+  ``fixed``'s batches, the outputs sent back through a queue; CPU processes take their share of the cores'
+  threads, as the executor's workers do: two processes of torch's default threads each would oversubscribe);
 - ``tokens``: ``parallel_predict(max_tokens=..., length=len)``: batches by token budget over length-sorted windows;
 - ``ray_data``: Ray Data ``map_batches`` with a pool of one actor per device over ``tokens``'s batches (needs the
-  ``ray`` extra; skipped without it).
+  ``ray`` extra; skipped without it). Its cold start is ``ray.init`` (a local Ray of as many CPUs as workers), the
+  actors' start and the batches put in the object store once; each actor then gets only a batch's number per call
+  (no inputs travel per batch, which favours Ray). Each actor asks for one CPU, so Ray runs its torch on one
+  thread, as the executor does with two CPU workers on two cores (each worker's share of the cores).
 
-Ratios (targets in brackets): fixed / hand (>= 0.95), tokens / fixed (>= 5), tokens / ray_data (>= 1.2).
+The executor's workers fork from a server that the process's first call starts (importing torch once there):
+later ``parallel_predict`` rows reuse it, as a later call in the same process does; each ``ray_data`` row starts
+its Ray anew.
+
+Ratios (targets in brackets): fixed / hand (>= 0.95), tokens / fixed (>= 5), tokens / ray_data (>= 1.2; also
+shown without ``ray.init``, as on a cluster whose Ray is already running).
+
+``--rounds N --rows tokens ray_data`` runs the chosen rows N times, interleaved, and gives each ratio as the median
+of its per-round ratios (a loaded machine's load drifts between rows run one after the other)::
+
+    python benchmarks/bench_inference.py --only speed --rows tokens ray_data --rounds 3 --items 4000
 
 RSS: the caller's peak RSS above its RSS just before ``parallel_predict(output_dir=...)`` of N items x 256 floats
 (a fresh process per N, sampled every 5 ms; target: under 300 MB, and no growth with N).
@@ -35,6 +49,7 @@ import math
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +108,8 @@ def load_encoder(device=None) -> nn.Module:
 # ----------------------------------------------------------------------------- the peers
 def hand_worker(rank: int, world: int, device, batches: list[list[torch.Tensor]], queue, received) -> None:
     """A hand-written loop on one device: every world-th batch, outputs back through the queue."""
+    if device == "cpu":  # its share of the cores, as the executor gives each CPU worker (and Ray each actor)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     model = load_encoder().to(device).eval()
     outputs = []
     with torch.inference_mode():
@@ -138,19 +155,32 @@ class RayEncoder:
         return {"batch": rows["batch"], "pooled": np.array(out, dtype=object)}
 
 
-def run_ray_data(batches: list[list[torch.Tensor]]) -> float:
-    """Seconds for Ray Data's ``map_batches`` over ``batches`` with one actor per device (Ray already started)."""
+def run_ray_data(batches: list[list[torch.Tensor]]) -> tuple[float, float]:
+    """Seconds for Ray Data's ``map_batches`` over ``batches`` with one actor per device, Ray's start included;
+    and the seconds of ``ray.init`` alone."""
+    import logging
+
     import ray
 
     start = time.perf_counter()
-    ref = ray.put(batches)
-    ds = ray.data.from_items([{"batch": i} for i in range(len(batches))])
-    gpus = 1 if torch.cuda.is_available() else 0
-    ds = ds.map_batches(RayEncoder, fn_constructor_kwargs={"batches_ref": ref}, batch_size=1,
-                        concurrency=len(devices()), num_gpus=gpus, num_cpus=1)
-    rows = ds.take_all()
-    assert len(rows) == len(batches)
-    return time.perf_counter() - start
+    ray.init(num_cpus=max(2, len(devices())), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    started = time.perf_counter()
+    try:
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # its progress lines every few seconds
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        ref = ray.put(batches)
+        ds = ray.data.from_items([{"batch": i} for i in range(len(batches))])
+        gpus = 1 if torch.cuda.is_available() else 0
+        ds = ds.map_batches(RayEncoder, fn_constructor_kwargs={"batches_ref": ref}, batch_size=1,
+                            concurrency=len(devices()), num_gpus=gpus, num_cpus=1)
+        rows = ds.take_all()
+        assert len(rows) == len(batches)
+        return time.perf_counter() - start, started - start
+    finally:
+        ray.shutdown()
+
+
+SPEED_ROWS = ("fixed", "hand", "tokens", "ray_data")
 
 
 def speed(args) -> None:
@@ -159,53 +189,68 @@ def speed(args) -> None:
     tokens = sum(len(s) for s in sequences)
     ids = devices()
     print(f"speed: {n:,} sequences ({tokens:,} tokens, median length {sorted(map(len, sequences))[n // 2]}), "
-          f"devices {ids}, {os.cpu_count()} cores", flush=True)
-    rates = {}
+          f"devices {ids}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    wanted = [name for name in args.rows if name != "ray_data" or _has_ray()]
+    if "ray_data" in args.rows and "ray_data" not in wanted:
+        print("  ray_data  skipped: pip install 'nn_handler[ray]'")
+    fixed_padded = sum(len(b) * max(map(len, b)) for b in
+                       (sequences[i:i + args.batch_size] for i in range(0, n, args.batch_size)))
+    batches = [b for b in token_batches(enumerate(sequences), args.max_tokens, len, None)]
+    token_padded = sum(len(b) * max(b.lengths) for b in batches)
+    reference: dict[str, torch.Tensor] = {}
+    rounds: list[dict[str, float]] = []
 
     def row(name, seconds, padded_tokens, note=""):
-        rates[name] = n / seconds
+        rounds[-1][name] = n / seconds
         print(f"  {name:9} {seconds:8.1f} s {n / seconds:9.1f} items/s   padding {1 - tokens / padded_tokens:5.1%}"
               f"  {note}", flush=True)
 
-    fixed_padded = sum(len(b) * max(map(len, b)) for b in
-                       (sequences[i:i + args.batch_size] for i in range(0, n, args.batch_size)))
-    start = time.perf_counter()
-    fixed = parallel_predict(load_encoder, sequences, collate_fn=pad, batch_size=args.batch_size, device_ids=ids)
-    row("fixed", time.perf_counter() - start, fixed_padded, f"batch_size={args.batch_size}")
+    def check(name, out):
+        if reference:
+            assert torch.allclose(out, next(iter(reference.values())), atol=1e-4), f"{name} changed the outputs"
+        reference.setdefault(name, out)
 
-    start = time.perf_counter()
-    hand = run_hand(sequences, args.batch_size)
-    row("hand", time.perf_counter() - start, fixed_padded, "same batches, a spawned loop per device")
-    assert torch.allclose(hand, fixed, atol=1e-4), "the hand-written loop and parallel_predict disagree"
+    for number in range(args.rounds):
+        rounds.append({})
+        if args.rounds > 1:
+            print(f" round {number + 1} of {args.rounds} (load average {os.getloadavg()[0]:.1f})", flush=True)
+        for name in wanted:
+            start = time.perf_counter()
+            if name == "fixed":
+                check(name, parallel_predict(load_encoder, sequences, collate_fn=pad, batch_size=args.batch_size,
+                                             device_ids=ids))
+                row(name, time.perf_counter() - start, fixed_padded, f"batch_size={args.batch_size}")
+            elif name == "hand":
+                check(name, run_hand(sequences, args.batch_size))
+                row(name, time.perf_counter() - start, fixed_padded, "same batches, a spawned loop per device")
+            elif name == "tokens":
+                check(name, parallel_predict(load_encoder, sequences, collate_fn=pad, max_tokens=args.max_tokens,
+                                             length=len, device_ids=ids))
+                row(name, time.perf_counter() - start, token_padded,
+                    f"max_tokens={args.max_tokens}, windows of {SORT_WINDOW}")
+            else:
+                seconds, init = run_ray_data([b.samples for b in batches])
+                row(name, seconds, token_padded, f"the same batches as tokens; ray.init {init:.1f} s of it")
+                rounds[-1]["ray_data_started"] = n / (seconds - init)
 
-    batches = [b for b in token_batches(enumerate(sequences), args.max_tokens, len, None)]
-    token_padded = sum(len(b) * max(b.lengths) for b in batches)
-    start = time.perf_counter()
-    by_tokens = parallel_predict(load_encoder, sequences, collate_fn=pad, max_tokens=args.max_tokens, length=len,
-                                 device_ids=ids)
-    row("tokens", time.perf_counter() - start, token_padded, f"max_tokens={args.max_tokens}, windows of {SORT_WINDOW}")
-    assert torch.allclose(by_tokens, fixed, atol=1e-4), "token-budget batches changed the outputs"
+    def ratio(a, b):
+        per_round = [r[a] / r[b] for r in rounds if a in r and b in r]
+        return statistics.median(per_round) if per_round else None
 
+    print("ratios (targets in brackets)" + (f", medians of {args.rounds} rounds:" if args.rounds > 1 else ":"))
+    for a, b, target in (("fixed", "hand", ">= 0.95"), ("tokens", "fixed", ">= 5"), ("tokens", "ray_data", ">= 1.2"),
+                         ("tokens", "ray_data_started", "Ray already running")):
+        value = ratio(a, b)
+        if value is not None:
+            print(f"  {a} / {b:16} {value:6.2f}x  ({target})")
+
+
+def _has_ray() -> bool:
     try:
-        import ray
+        import ray  # noqa: F401
     except ImportError:
-        print("  ray_data  skipped: pip install 'nn_handler[ray]'")
-    else:
-        import logging
-
-        ray.init(num_cpus=max(2, len(ids)), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-        logging.getLogger("ray.data").setLevel(logging.ERROR)  # its progress lines every few seconds
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        try:
-            row("ray_data", run_ray_data([b.samples for b in batches]), token_padded, "the same batches as tokens")
-        finally:
-            ray.shutdown()
-
-    print("ratios (targets in brackets):")
-    print(f"  fixed / hand      {rates['fixed'] / rates['hand']:6.2f}x  (>= 0.95)")
-    print(f"  tokens / fixed    {rates['tokens'] / rates['fixed']:6.2f}x  (>= 5)")
-    if "ray_data" in rates:
-        print(f"  tokens / ray_data {rates['tokens'] / rates['ray_data']:6.2f}x  (>= 1.2)")
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- the caller's memory
@@ -318,6 +363,8 @@ def main() -> None:
     parser.add_argument("--rss-batch-size", type=int, default=1024)
     parser.add_argument("--resume-items", type=int, default=5_000)
     parser.add_argument("--only", choices=["speed", "rss", "resume"])
+    parser.add_argument("--rows", nargs="+", choices=SPEED_ROWS, default=list(SPEED_ROWS), help="speed rows to run")
+    parser.add_argument("--rounds", type=int, default=1, help="run the speed rows this many times, interleaved")
     parser.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--resume-child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -18,6 +18,7 @@ Needs ``pip install 'nn_handler[hf]'`` (transformers).
 
 # needs-extra: hf (the newcomer CI path, which installs no extras, skips this example)
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -29,10 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-try:
-    from transformers import EsmConfig, EsmModel
-except ImportError as exc:
-    raise SystemExit(f"this example needs Hugging Face transformers ({exc}): pip install 'nn_handler[hf]'") from None
+if importlib.util.find_spec("transformers") is None:
+    raise SystemExit("this example needs Hugging Face transformers: pip install 'nn_handler[hf]'")
 
 from nn_handler import Predictions, parallel_predict
 
@@ -94,6 +93,10 @@ class Embedder(nn.Module):
 
 def load_encoder() -> nn.Module:
     """Built in each worker (the same weights everywhere: seeded); a real run would load ESM-2's weights here."""
+    # Imported here, where the model is built: the process that only reads the FASTA file and hands out batches
+    # (the killed child below) never pays for importing transformers.
+    from transformers import EsmConfig, EsmModel
+
     torch.manual_seed(0)
     config = EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                        intermediate_size=64, max_position_embeddings=1026, pad_token_id=PAD, mask_token_id=32,
