@@ -28,8 +28,10 @@ seconds. Figures: the median over rounds of each round's steps/s ratio to no
 logger (min-max beside it), in wall time, and in CPU time of the training
 process (all its threads: MLflow's sender, TensorBoard's writer), which shows
 a logger's cost despite other load on the machine; W&B's service process's CPU
-per round is shown apart. Target: within 1 % (ratios >= 0.99). A steady state
-needs long epochs:
+per round is shown apart, and so is each logger's own share of its epoch (the
+time in its per-step hook, the CPU of the process's other threads), which load
+inflates alike on both sides. Target: within 1 % (ratios >= 0.99). A steady
+state needs long epochs:
 
     python benchmarks/bench_training.py --hidden 64 --procs 1 --loggers --steps 2000 --rounds 7
 
@@ -207,14 +209,17 @@ def _nn_handler_logged(steps: int, logger: str | None = None):
         callbacks = [WandbLogger(project="bench", dir=where, mode="offline")]
     else:
         callbacks = []
-    children_cpu = _children_cpu()
+    children_cpu, threads_cpu = _children_cpu(), _other_threads_cpu()
+    in_hooks = [0.0]  # seconds inside the logger's per-step hook on the training thread
+    for cb in callbacks:
+        cb.on_batch_end = _timed(cb.on_batch_end, in_hooks)
 
     class EpochClock(Callback):
         def on_epoch_begin(self, handler, epoch):
             sender = getattr(callbacks[0], "_sender", None) if callbacks else None
             if sender is not None:
                 sender.flush(None)  # MLflow's run is opened on its thread: the run's start, not the steps'
-            self.children = children_cpu()
+            self.children, self.threads, in_hooks[0] = children_cpu(), threads_cpu(), 0.0
             self.cpu = time.process_time()
             self.start = time.perf_counter()
 
@@ -222,6 +227,8 @@ def _nn_handler_logged(steps: int, logger: str | None = None):
             self.seconds = time.perf_counter() - self.start
             self.cpu = time.process_time() - self.cpu
             self.children = children_cpu() - self.children
+            self.threads = threads_cpu() - self.threads
+            self.in_hooks = in_hooks[0]
 
     clock = EpochClock()  # first: its epoch begins after the logger's train begins, and ends before its epoch end
     torch.manual_seed(0)
@@ -234,9 +241,32 @@ def _nn_handler_logged(steps: int, logger: str | None = None):
         handler.train(max_steps=(e + 1) * steps, progress=False)
         whole = time.perf_counter() - start
         return {"seconds": clock.seconds, "cpu": clock.cpu, "outside": whole - clock.seconds,
-                "tracker_cpu": clock.children}
+                "tracker_cpu": clock.children, "threads_cpu": clock.threads, "in_hooks": clock.in_hooks}
 
     return epoch
+
+
+def _timed(hook, total: list[float]):
+    """``hook`` (a bound ``on_batch_end``), adding the seconds spent in it to ``total[0]``."""
+    def on_batch_end(handler, step, loss, outputs=None):
+        start = time.perf_counter()
+        hook(handler, step, loss, outputs)
+        total[0] += time.perf_counter() - start
+
+    return on_batch_end
+
+
+def _other_threads_cpu():
+    """A function giving the CPU seconds so far of this process's threads but the calling one (a tracker's
+    sender, TensorBoard's writer); 0 without psutil."""
+    import threading
+
+    try:
+        import psutil
+    except ImportError:
+        return lambda: 0.0
+    me, mine = psutil.Process(), threading.get_native_id()
+    return lambda: sum(t.user_time + t.system_time for t in me.threads() if t.id != mine)
 
 
 def _children_cpu():
@@ -461,12 +491,18 @@ def _logger_report(names: list[str], rates: dict[str, list[float]], measures: di
         cpu = [a / b for a, b in zip(cpu_rates[name], cpu_rates[base])]
         outside = statistics.median(m["outside"] for m in measures[name])
         tracker = statistics.median(m["tracker_cpu"] for m in measures[name])
+        # The logger's own share of its epoch, which other load on the machine inflates alike on both sides:
+        # its per-step hook on the training thread, and the CPU of the process's other threads (its sender).
+        hook = statistics.median(m["in_hooks"] / m["seconds"] for m in measures[name])
+        threads = statistics.median(m["threads_cpu"] / m["seconds"] for m in measures[name])
         out[name] = {"wall_ratio": statistics.median(wall), "wall_rounds": wall, "cpu_ratio": statistics.median(cpu),
-                     "cpu_rounds": cpu, "start_end_s": outside, "tracker_process_cpu_s": tracker}
+                     "cpu_rounds": cpu, "start_end_s": outside, "tracker_process_cpu_s": tracker,
+                     "hook_share": hook, "threads_share": threads}
         # W&B's service, once started, is a child of this process in every contender's epoch: its CPU is shown
         # for each, and W&B's own is the figure above the others'.
         print(f"  {name:<21} wall {statistics.median(wall):.3f}x [{min(wall):.3f}-{max(wall):.3f}]  "
               f"CPU {statistics.median(cpu):.3f}x [{min(cpu):.3f}-{max(cpu):.3f}]  "
+              f"in on_batch_end {hook:.2%}, other threads {threads:.2%} of the epoch  "
               f"start+end {outside:.2f} s/train()  child processes' CPU {tracker:.3f} s/epoch")
     return out
 
