@@ -129,8 +129,13 @@ class TensorBoardLogger(Callback):
         values = self._series.batch_end(handler.global_step, loss, outputs, handler)
         if values is None:
             return
-        for name, value in values.items():
-            self._writer.add_scalar(f"step/{name}", value, handler.global_step)
+        # One event holding the step's values (add_scalar makes one each): one record for the writer's thread
+        # to checksum and write, and one wake-up of it, per logged step.
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=f"step/{name}", simple_value=value)
+                                 for name, value in values.items()])
+        self._writer._get_file_writer().add_summary(summary, handler.global_step)
         self._written_step = max(self._written_step, handler.global_step)
 
     def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:

@@ -47,7 +47,9 @@ class MLflowLogger(TrackerLogger):
 
     A tracking server that is down never stops training: the records are
     sent from a thread of their own (training never waits on the network,
-    and MLflow's client may retry a request for minutes), one warning says
+    and MLflow's client may retry a request for minutes), gathered into one
+    call every ``send_every_s`` seconds (a call costs the process far more
+    than the values in it; the run's start and end go at once), one warning says
     when sending fails and one when it works again, and unsent records are
     kept and sent again every few seconds. When training ends, the thread
     has ``end_timeout_s`` seconds to send the rest; what is still unsent is
@@ -65,6 +67,8 @@ class MLflowLogger(TrackerLogger):
         log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
         fallback_dir: Where unsent records are written when training ends.
         end_timeout_s: How long the end of ``train()`` waits for records unsent to a server.
+        send_every_s: Seconds at least between two sends to MLflow: the values of the steps logged
+            meanwhile go in one call.
 
     Raises:
         MissingExtraError: MLflow is not installed (``pip install 'nn_handler[mlflow]'``).
@@ -73,7 +77,7 @@ class MLflowLogger(TrackerLogger):
 
     def __init__(self, tracking_uri: str | None = None, experiment_name: str = "Default", run_name: str | None = None,
                  hparams: Mapping[str, HParam] | None = None, log_every_n_steps: int = 50, *,
-                 fallback_dir: str | os.PathLike = ".", end_timeout_s: float = 10.0):
+                 fallback_dir: str | os.PathLike = ".", end_timeout_s: float = 10.0, send_every_s: float = 5.0):
         try:
             import mlflow  # noqa: F401 - here, so that a missing extra shows when the logger is made
         except ImportError as exc:
@@ -88,6 +92,7 @@ class MLflowLogger(TrackerLogger):
         self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name
         self.fallback_dir = Path(fallback_dir)
         self.end_timeout_s = check_number("end_timeout_s", end_timeout_s, strict=False, unit="seconds")
+        self.send_every_s = check_number("send_every_s", send_every_s, strict=False, unit="seconds")
         self._sender: Sender | None = None
         self._client: Any = None
         self._session_opened = False  # the run is open on the server for this train() call
@@ -96,7 +101,8 @@ class MLflowLogger(TrackerLogger):
     # --------------------------------------------------------------------- the callback's side (training thread)
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
         self._session_opened = self._waited_for_id = False
-        self._sender = Sender(self._send, f"MLflow at {self.tracking_uri or 'the default tracking URI'}")
+        self._sender = Sender(self._send, f"MLflow at {self.tracking_uri or 'the default tracking URI'}",
+                              every_s=self.send_every_s)
         self._sender.put({"kind": "open"})
 
     def _log(self, step: int, values: dict[str, float]) -> None:

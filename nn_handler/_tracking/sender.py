@@ -1,7 +1,10 @@
 """A thread that sends a tracker's records, so that training never waits on the network.
 
 Training puts records (metrics at a step, parameters, tags, the end state) and
-goes on. The thread sends what is queued, in order, in batches. When a send
+goes on: a put is an append to a list. The thread sends what is queued, in
+order, in batches, at most once every ``every_s`` seconds (a send costs the
+process far more than the records in it: one call for all that gathered), and
+wakes only when there is something to send. When a send
 fails (the server is down, the network is out), the records stay queued, one
 warning says so, and the thread tries again every ``retry_s`` seconds; when a
 send works again, one line says so. :meth:`Sender.close` gives the thread
@@ -14,9 +17,9 @@ Example:
     >>> def send(records):  # removes what it sent from the front of the list
     ...     sent.extend(records)
     ...     records.clear()
-    >>> sender = Sender(send, "demo", retry_s=0.1)
+    >>> sender = Sender(send, "demo", retry_s=0.1, every_s=60.0)
     >>> sender.put({"kind": "metrics", "step": 1, "values": {"loss": 0.5}})
-    >>> sender.close(timeout_s=5.0, fallback=None)  # what could not be sent
+    >>> sender.close(timeout_s=5.0, fallback=None)  # sends the rest at once; returns what could not be sent
     []
     >>> sent
     [{'kind': 'metrics', 'step': 1, 'values': {'loss': 0.5}}]
@@ -56,10 +59,14 @@ class Sender:
             left in the list are sent again later.
         what: Names the tracker in warnings (``"MLflow at http://..."``).
         retry_s: Seconds between tries while sends fail.
+        every_s: Seconds at least between two sends (the first goes at once; :meth:`flush` and :meth:`close`
+            send at once).
     """
 
-    def __init__(self, send: Callable[[list[Record]], None], what: str, retry_s: float = 5.0):
-        self._send, self.what, self.retry_s = send, what, retry_s
+    def __init__(self, send: Callable[[list[Record]], None], what: str, retry_s: float = 5.0, every_s: float = 0.0):
+        self._send, self.what, self.retry_s, self.every_s = send, what, retry_s, every_s
+        self._last_send = -float("inf")
+        self._hurry = False  # flush() asks for a send now
         self._queue: list[Record] = []
         self._in_flight: list[Record] = []
         self._wake = threading.Condition()
@@ -71,15 +78,24 @@ class Sender:
     def put(self, record: Record) -> None:
         with self._wake:
             self._queue.append(record)
-            self._wake.notify()
+            if len(self._queue) == 1:  # the thread waits for a first record; with more queued it is awake already
+                self._wake.notify()
 
     def _run(self) -> None:
         while True:
             with self._wake:
                 while not self._queue and not self._closing:
                     self._wake.wait()
+                # Let records gather until every_s has passed since the last send.
+                while self._queue and not (self._closing or self._hurry):
+                    left = self._last_send + self.every_s - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
                 if not self._queue:
                     return
+                self._hurry = False
+                self._last_send = time.monotonic()
                 self._in_flight, self._queue = self._queue, []
             try:
                 self._send(self._in_flight)
@@ -107,6 +123,7 @@ class Sender:
         while sends fail)."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         with self._wake:
+            self._hurry = True
             self._wake.notify_all()
             while self._queue or self._in_flight:
                 left = deadline - time.monotonic()

@@ -37,7 +37,7 @@ class StepSeries:
 
     def __init__(self, every: int):
         self.every = check_int("log_every_n_steps", every, minimum=1)
-        self._pending: list[dict[str, Any]] = []  # the micro-batches of the optimizer step under way
+        self._pending: list[tuple[Any, Any]] = []  # (loss, outputs) of the micro-batches of the step under way
         self._last_step = -1
 
     def epoch_begin(self, global_step: int) -> None:
@@ -49,16 +49,20 @@ class StepSeries:
 
         ``trainer.optimizers`` is asked for the learning rates at the logged steps only.
         """
-        self._pending.append(_batch_values(loss, outputs))
-        if global_step == self._last_step:  # inside an accumulation group
+        # Called at every micro-batch on the training thread: a comparison (and an append inside an accumulation
+        # group), no more. What is logged is taken apart (detached, filtered, averaged, read) at logged steps only.
+        if global_step == self._last_step:  # inside an accumulation group: kept (a mapping copied: it may be reused)
+            self._pending.append((loss, dict(outputs) if isinstance(outputs, Mapping) else outputs))
             return None
         self._last_step = global_step
-        batches, self._pending = self._pending, []
         if global_step % self.every:
+            self._pending.clear()
             return None
+        batches, self._pending = [*self._pending, (loss, outputs)], []
         sums: dict[str, list[float]] = {}
-        for values in batches:
-            for name, value in values.items():  # a key some micro-batches did not return: the mean of those that did
+        for batch_loss, batch_outputs in batches:
+            for name, value in _batch_values(batch_loss, batch_outputs).items():
+                # A key some micro-batches did not return: the mean of those that did.
                 sums.setdefault(name, []).append(float(value))  # the read (a device sync): at logged steps only
         return {**{name: sum(v) / len(v) for name, v in sums.items()}, **learning_rates(trainer.optimizers)}
 

@@ -97,6 +97,7 @@ def test_a_tracker_without_its_extra_names_the_extra_when_created(monkeypatch, n
 @pytest.mark.parametrize("name,kwargs,message", [
     ("MLflowLogger", {"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
     ("MLflowLogger", {"experiment_name": ""}, "experiment_name must be a non-empty str"),
+    ("MLflowLogger", {"send_every_s": -1}, "send_every_s must be a number of seconds >= 0"),
     ("MLflowLogger", {"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
     ("WandbLogger", {"mode": "offline=True"}, "mode must be one of"),
     ("WandbLogger", {"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
@@ -108,3 +109,52 @@ def test_a_tracker_refuses_bad_arguments_when_created(name, kwargs, message):
     pytest.importorskip({"MLflowLogger": "mlflow", "WandbLogger": "wandb"}[name])
     with pytest.raises(ConfigurationError, match=message):
         getattr(loggers, name)(**kwargs)
+
+
+def test_a_step_that_is_not_logged_is_not_taken_apart_and_a_logged_one_is_the_mean_of_its_micro_batches():
+    # Per step on the training thread, a logger does no more than keep the step's micro-batches: the values
+    # are detached and read at the logged steps only (here 2 and 4, two micro-batches a step).
+    from nn_handler._tracking.values import StepSeries
+
+    detached = []
+
+    class Loss(float):
+        def detach(self):
+            detached.append(float(self))
+            return self
+
+    class Trainer:
+        optimizers: dict = {}
+
+    series, logged = StepSeries(every=2), {}
+    series.epoch_begin(0)
+    outputs: dict = {}  # one dict the step fills anew at each micro-batch
+    for micro in range(8):
+        step = micro // 2 + 1
+        outputs.update(loss=Loss(micro), d=10.0 * micro)
+        values = series.batch_end(step if micro % 2 else step - 1, Loss(micro), outputs, Trainer)
+        if values is not None:
+            logged[step] = values
+    assert logged == {2: {"train_loss": 2.5, "train_d": 25.0}, 4: {"train_loss": 6.5, "train_d": 65.0}}
+    assert sorted(detached) == [2.0, 3.0, 6.0, 7.0]
+
+
+def test_the_sender_gathers_what_comes_within_its_interval_into_one_send():
+    import threading
+
+    from nn_handler._tracking.sender import Sender
+
+    calls, first_sent = [], threading.Event()
+
+    def send(records):
+        calls.append(list(records))
+        records.clear()
+        first_sent.set()
+
+    sender = Sender(send, "test", every_s=60.0)
+    sender.put({"n": 1})  # the first record goes at once (a run's start)
+    assert first_sent.wait(30)
+    sender.put({"n": 2})
+    sender.put({"n": 3})
+    assert sender.close(timeout_s=30.0, fallback=None) == []  # close sends at once what gathered
+    assert calls == [[{"n": 1}], [{"n": 2}, {"n": 3}]]
