@@ -29,6 +29,16 @@ the same processes, so the two overheads (each NNHandler against its own
 hand-written loop) compare under the same noise. Target: FSDP's overhead no
 larger than DDP's.
 
+``--gan`` times a GAN with its own training step (examples/gan.py's: two
+models of ``--hidden`` 64 by default, two Adams, ``ctx.backward``/``ctx.step``
+for D then G) against the same GAN hand-written (and in Fabric where
+installed), every contender on the same batches (in-memory tensors, one
+``index_select`` a batch, in the order NNHandler's sampler draws), after a
+check that the hand-written loop and NNHandler give the same losses and
+weights bit for bit over 5 steps. Target: NNHandler >= 0.99x.
+
+    python benchmarks/bench_training.py --gan --procs 1 --rounds 7
+
 Fabric, Accelerate and Ignite are not project requirements (they are in the
 ``bench`` extra); to include them without touching the environment, install
 them into a scratch directory:
