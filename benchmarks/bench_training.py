@@ -42,6 +42,16 @@ the same processes, so the two overheads (each NNHandler against its own
 hand-written loop) compare under the same noise. Target: FSDP's overhead no
 larger than DDP's.
 
+``--gan`` times a GAN with its own training step (examples/gan.py's: two
+models of ``--hidden`` 64 by default, two Adams, ``ctx.backward``/``ctx.step``
+for D then G) against the same GAN hand-written (and in Fabric where
+installed), every contender on the same batches (in-memory tensors, one
+``index_select`` a batch, in the order NNHandler's sampler draws), after a
+check that the hand-written loop and NNHandler give the same losses and
+weights bit for bit over 5 steps. Target: NNHandler >= 0.99x.
+
+    python benchmarks/bench_training.py --gan --procs 1 --rounds 7
+
 Fabric, Accelerate and Ignite are not project requirements (they are in the
 ``bench`` extra); to include them without touching the environment, install
 them into a scratch directory:
@@ -367,6 +377,207 @@ def _ignite(steps: int):
     return epoch
 
 
+# --gan: a GAN with its own training step (two models, two optimizers), as examples/gan.py, against the same
+# training hand-written. Every contender gets the same batches: rows of in-memory tensors gathered by index.
+NOISE = 2
+
+
+def _gan_models():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    width = SIZES[1]
+    G = nn.Sequential(nn.Linear(NOISE, width), nn.LeakyReLU(0.2), nn.Linear(width, width), nn.LeakyReLU(0.2),
+                      nn.Linear(width, 2))
+    D = nn.Sequential(nn.Linear(2, width), nn.LeakyReLU(0.2), nn.Linear(width, width), nn.LeakyReLU(0.2),
+                      nn.Linear(width, 1))
+    return G, D
+
+
+def _gan_optimizers(G, D):
+    import torch
+
+    return {"G": torch.optim.Adam(G.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+            "D": torch.optim.Adam(D.parameters(), lr=2e-3, betas=(0.5, 0.999))}
+
+
+def _gan_data(steps: int, world: int):
+    """``(real points on a ring of radius 2, noise)``: the noise is data too, drawn once."""
+    import math
+
+    import torch
+
+    n = steps * BATCH * world
+    g = torch.Generator().manual_seed(1)
+    angle = 2 * math.pi * torch.rand(n, generator=g)
+    real = 2 * torch.stack([angle.cos(), angle.sin()], 1) + 0.05 * torch.randn(n, 2, generator=g)
+    return real, torch.randn(n, NOISE, generator=g)
+
+
+def _gan_losses(G, D, real, z):
+    """PyTorch's DCGAN recipe: ``(fake, loss_d)``; the generator's loss is taken after D's step."""
+    import torch
+    from torch.nn.functional import binary_cross_entropy_with_logits as bce
+
+    ones = torch.ones(real.size(0), 1, device=real.device)
+    fake = G(z)
+    return fake, ones, bce(D(real), ones) + bce(D(fake.detach()), torch.zeros_like(ones))
+
+
+def gan_step(ctx, batch):
+    """The own training step of examples/gan.py."""
+    from torch.nn.functional import binary_cross_entropy_with_logits as bce
+
+    real, z = batch
+    G, D = ctx.models["G"], ctx.models["D"]
+    with ctx.autocast():
+        fake, ones, loss_d = _gan_losses(G, D, real, z)
+    ctx.backward(loss_d)
+    ctx.step("D")
+    with ctx.autocast():
+        loss_g = bce(D(fake), ones)
+    ctx.backward(loss_g)
+    ctx.step("G")
+    return {"loss": loss_d + loss_g, "d": loss_d, "g": loss_g}
+
+
+def _shuffled_batches(n: int, epoch: int):
+    """The batches' indices as NNHandler's loader draws them: ``RandomSampler``'s order in one process (a seed
+    from the global generator, after the ``DataLoader`` iterator's own draw), ``DistributedSampler``'s shard
+    (seed 0 + epoch) under DDP; one ``randperm``, split into batches."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        g = torch.Generator().manual_seed(epoch)
+        order = torch.randperm(n, generator=g)[dist.get_rank()::dist.get_world_size()]
+    else:
+        torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order.split(BATCH)
+
+
+def _gan_hand_written(steps: int, record: list | None = None):
+    """The GAN step as a careful user writes it: D's loss, backward, step; G's through D; losses summed on the
+    device; each batch one ``index_select`` of the in-memory tensors; DDP on each model when launched."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.functional import binary_cross_entropy_with_logits as bce
+    from torch.nn.parallel import DistributedDataParallel
+
+    distributed = dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    G, D = _gan_models()
+    if distributed:
+        G, D = DistributedDataParallel(G), DistributedDataParallel(D)
+    opts = _gan_optimizers(G, D)
+    opt_g, opt_d = opts["G"], opts["D"]
+    real_all, z_all = _gan_data(steps, world)
+
+    def epoch(e):
+        G.train()
+        D.train()
+        total, total_d, total_g = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        for index in _shuffled_batches(len(real_all), e):
+            real, z = real_all.index_select(0, index), z_all.index_select(0, index)
+            opt_d.zero_grad(set_to_none=True)  # the generator's backward reached D too
+            fake, ones, loss_d = _gan_losses(G, D, real, z)
+            loss_d.backward()
+            opt_d.step()
+            opt_d.zero_grad(set_to_none=True)
+            loss_g = bce(D(fake), ones)
+            loss_g.backward()
+            opt_g.step()
+            opt_g.zero_grad(set_to_none=True)
+            loss = loss_d + loss_g
+            total += loss.detach()
+            total_d += loss_d.detach()
+            total_g += loss_g.detach()
+            if record is not None:
+                record.append((loss_d.item(), loss_g.item()))
+        return None if record is None else (G, D)
+
+    return epoch
+
+
+def _gan_nn_handler(steps: int, record: list | None = None):
+
+    from nn_handler import Callback, NNHandler
+
+    G, D = _gan_models()
+    callbacks = []
+    if record is not None:
+        class Record(Callback):
+            def on_batch_end(self, handler, step, loss, outputs):
+                record.append((outputs["d"].item(), outputs["g"].item()))
+        callbacks.append(Record())
+    handler = NNHandler({"G": G, "D": D}, _gan_optimizers(G, D), training_step=gan_step, device="cpu",
+                        callbacks=callbacks)
+    handler.set_train_loader(_gan_data(steps, handler.world_size), batch_size=BATCH, shuffle=True)
+
+    def epoch(e):
+        handler.train(max_steps=(e + 1) * steps, progress=False)  # one epoch: `steps` training steps
+        return None if record is None else (G, D)
+
+    return epoch
+
+
+def _gan_fabric(steps: int):
+    """Fabric's GAN example's step, on the same gathered batches (Fabric moves them to its device)."""
+    import torch.distributed as dist
+    from torch.nn.functional import binary_cross_entropy_with_logits as bce
+
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:
+        from lightning_fabric import Fabric
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    fabric.launch()
+    G, D = _gan_models()
+    opts = _gan_optimizers(G, D)
+    G, opt_g = fabric.setup(G, opts["G"])
+    D, opt_d = fabric.setup(D, opts["D"])
+    real_all, z_all = _gan_data(steps, world)
+
+    def epoch(e):
+        for index in _shuffled_batches(len(real_all), e):
+            real, z = fabric.to_device((real_all.index_select(0, index), z_all.index_select(0, index)))
+            opt_d.zero_grad()
+            fake, ones, loss_d = _gan_losses(G, D, real, z)
+            fabric.backward(loss_d)
+            opt_d.step()
+            opt_d.zero_grad()
+            loss_g = bce(D(fake), ones)
+            fabric.backward(loss_g)
+            opt_g.step()
+            opt_g.zero_grad()
+
+    return epoch
+
+
+def check_gan_contenders_agree(steps: int = 5) -> None:
+    """The hand-written GAN loop and NNHandler's own step give the same losses step by step, and the same
+    weights after ``steps`` steps (one process), so the benchmark times the same work."""
+    import torch
+
+    seen, weights = {}, {}
+    for name, build in (("hand-written", _gan_hand_written), ("NNHandler", _gan_nn_handler)):
+        torch.manual_seed(1234)  # the global generator the shuffle draws from, alike for both
+        seen[name] = []
+        G, D = build(steps, record=seen[name])(0)
+        weights[name] = torch.cat([p.detach().flatten() for m in (G, D) for p in m.parameters()])
+    if seen["hand-written"] != seen["NNHandler"] or not torch.equal(weights["hand-written"], weights["NNHandler"]):
+        raise SystemExit(f"the GAN contenders do not compute the same: (loss_d, loss_g) per step "
+                         f"{seen['hand-written']} against NNHandler's {seen['NNHandler']}, weights off by "
+                         f"{(weights['hand-written'] - weights['NNHandler']).abs().max().item():.3g}")
+    print(f"GAN check: hand-written and NNHandler agree bit for bit over {steps} steps "
+          f"(losses and weights; last loss_d, loss_g = {seen['NNHandler'][-1][0]:.6f}, {seen['NNHandler'][-1][1]:.6f})")
+
+
 def _installed(*modules: str) -> bool:
     return any(importlib.util.find_spec(m) is not None for m in modules)
 
@@ -388,12 +599,19 @@ LOGGED = {"NNHandler, no logger": (functools.partial(_nn_handler_logged, logger=
           "+ MLflowLogger": (functools.partial(_nn_handler_logged, logger="MLflow"), ("mlflow",)),
           "+ WandbLogger": (functools.partial(_nn_handler_logged, logger="W&B"), ("wandb",))}
 CONTENDERS.update(LOGGED)
+# --gan: the GAN's own step against the same GAN hand-written (and in Fabric, where installed).
+GAN = {"hand-written GAN": (_gan_hand_written, ()),
+       "NNHandler GAN": (_gan_nn_handler, ()),
+       "Fabric GAN": (_gan_fabric, ("lightning", "lightning_fabric"))}
+CONTENDERS.update(GAN)
 
 
 def _baseline(name: str) -> str:
     """Each contender is compared with the hand-written loop of its own strategy; a logger with no logger."""
     if name in LOGGED:
         return "NNHandler, no logger"
+    if name in GAN:
+        return "hand-written GAN"
     return "hand-written FSDP" if name in FSDP else "hand-written"
 
 
@@ -438,25 +656,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--hidden", type=int, default=1024,
-                        help="width of the two hidden layers (64: a small, overhead-bound model)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="width of the two hidden layers (64: a small, overhead-bound model; the default: "
+                             "1024, and 64 with --gan)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
                         help="DDP contenders, the FSDP pair (NNHandler and a hand-written fully_shard loop), or both")
     parser.add_argument("--loggers", action="store_true",
                         help="NNHandler with each logger attached (TensorBoard, CSV, MLflow, W&B offline) against none")
+    parser.add_argument("--gan", action="store_true",
+                        help="a GAN with its own training step (two models, two optimizers) against the same GAN "
+                             "hand-written (and in Fabric), after a check that they compute the same")
     args = parser.parse_args()
+    if args.hidden is None:
+        args.hidden = 64 if args.gan else 1024
     global SIZES
     SIZES = (SIZES[0], args.hidden, args.hidden, SIZES[-1])
-    wanted = [n for n in CONTENDERS if n not in LOGGED
+    wanted = [n for n in CONTENDERS if n not in LOGGED and n not in GAN
               and ((n in FSDP) == (args.strategy == "fsdp") or args.strategy == "both")]
     if args.loggers:
         wanted = list(LOGGED)
+    if args.gan:
+        wanted = list(GAN)
     names = [n for n in wanted if not CONTENDERS[n][1] or _installed(*CONTENDERS[n][1])]
     skipped = [n for n in wanted if n not in names]
-    print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "
-          f"{args.rounds} timed rounds, gloo, 1 thread/process; load {_load()}")
+    if args.gan:
+        print(f"GAN: G {NOISE}-{args.hidden}-{args.hidden}-2, D 2-{args.hidden}-{args.hidden}-1, two Adams, own "
+              f"training step; batch {BATCH}/process, {args.steps} steps/epoch, {args.rounds} timed rounds, gloo, "
+              f"1 thread/process; load {_load()}")
+        import torch
+        torch.set_num_threads(1)
+        check_gan_contenders_agree()
+    else:
+        print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}/process, {args.steps} steps/epoch, "
+              f"{args.rounds} timed rounds, gloo, 1 thread/process; load {_load()}")
     if skipped:
-        print(f"not installed, skipped: {', '.join(skipped)}")
+        print(f"not installed (the bench extra), skipped: {', '.join(skipped)}")
     for nprocs in args.procs:
         results = run_distributed(_body, nprocs=nprocs, args=(names, args.steps, args.rounds, args.hidden), timeout=1800)
         for rank, r in enumerate(results):

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping  # not typing's: isinstance with it runs through Python at every batch
+from typing import Any, Callable
 
 import torch
 
@@ -183,7 +184,12 @@ def sample_count(batch: Any) -> int:
         >>> sample_count((torch.ones(7, 5, 2), torch.ones(5))), sample_count((torch.ones(3), torch.ones(3), 1))
         (5, 3)
     """
-    if isinstance(batch, (list, tuple)) and len(batch) > 2:
+    if type(batch) is tuple or type(batch) is list:
+        if len(batch) == 2 and isinstance(batch[1], torch.Tensor) and batch[1].dim() > 0:
+            return batch[1].shape[0]  # (inputs, targets), the most common batch: what size_of reads, quicker
+        if len(batch) > 2:
+            return size_of(batch, None)
+    elif isinstance(batch, (list, tuple)) and len(batch) > 2:
         return size_of(batch, None)
     return size_of(*split(batch))
 
@@ -223,7 +229,9 @@ def cut(inputs: Any, targets: Any, n: int, rows: int | None = None) -> tuple[Any
 
 def move(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``batch`` with its tensors on ``device``; a mapping that is not a dict (``BatchEncoding``) becomes one."""
-    return to_device(_as_dicts(batch), device, non_blocking)
+    if type(batch) is not tuple and type(batch) is not list:  # a pair, most often: no mapping to convert
+        batch = _as_dicts(batch)
+    return to_device(batch, device, non_blocking)
 
 
 def outputs_of(outputs: Any) -> Any:

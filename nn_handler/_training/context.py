@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigurationError, NonFiniteLossError
+from ..utils._stall import current as current_watchdog
 from ..utils._stall import watching
 from .precision import Precision, update_scale
 
@@ -114,6 +115,9 @@ class StepContext:
         self._only = next(iter(self.optimizers.items())) if len(self.optimizers) == 1 else None
         self._unscale = scaler is not None and (clip_grad_norm is not None or bool(hooks and hooks.before))
         self._ddp = any(isinstance(m, DistributedDataParallel) for m in self.models.values())
+        # The stall watchdog's mark around each backward, where a watchdog runs (a group's; none in one process).
+        self._backward_watch = (watching("backward (DDP's gradient all_reduce)") if current_watchdog() is not None
+                                else None)
         # Set by the loop for each micro-batch: its index in the epoch (for a
         # non-finite loss), the optimizers asked to step (to step them when an
         # unsized loader ends inside a group), whether the step function runs.
@@ -176,8 +180,11 @@ class StepContext:
             loss = loss / self._accumulate
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        with watching("backward (DDP's gradient all_reduce)"):
+        if self._backward_watch is None:
             loss.backward(retain_graph=retain_graph)
+        else:
+            with self._backward_watch:
+                loss.backward(retain_graph=retain_graph)
 
     def step(self, name: str | None = None) -> None:
         """Step optimizer ``name`` (the one, when there is one) if this micro-batch ends its accumulation group.
@@ -199,7 +206,10 @@ class StepContext:
         if name is None and self._only is not None:
             name, optimizer = self._only
         else:
-            optimizer = self._optimizer(name, "step")
+            try:
+                optimizer = self.optimizers[name]
+            except (KeyError, TypeError):
+                optimizer = self._optimizer(name, "step")  # raises, naming this handler's optimizers
         self._asked.append(name)
         if self.is_last_micro_batch:
             self._take_step(name, optimizer)
@@ -229,7 +239,7 @@ class StepContext:
             nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]
                                       if p.requires_grad], self._clip)
         hooks = self._hooks
-        if hooks is not None:
+        if hooks is not None and hooks.before:
             hooks.before_step(name, n)
         self._stepping = True
         try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler, TensorDataset)
 
 from .._checks import check_int
 from ..checkpoint import capture_rng_state, restore_rng_state
@@ -60,6 +61,74 @@ class IndexedTensors(TensorDataset):
 def gathered(batch: Any) -> Any:
     """The ``collate_fn`` of :class:`IndexedTensors`: its batches are gathered already."""
     return batch
+
+
+def epoch_batches(loader: Any) -> Iterator:
+    """An epoch's batches of ``loader``: ``iter(loader)``, or for :class:`IndexedTensors` batched in this process
+    the same batches, gathered without the ``DataLoader``'s per-batch machinery.
+
+    There the sampler's order is drawn whole at the first batch (:func:`sampler_order`) and cut into batches of
+    the ``BatchSampler``'s size (the last one shorter, or dropped with ``drop_last``), after the global
+    generator gave the ``DataLoader`` iterator's one draw: the same batches, value for value, and the same random
+    streams after each epoch, so a run, its History and a resume do not tell the two apart.
+
+    Example:
+        >>> data = IndexedTensors(torch.arange(5.0))
+        >>> loader = DataLoader(data, batch_size=2, shuffle=True, collate_fn=gathered)
+        >>> _ = torch.manual_seed(0); ours = [b[0].tolist() for b in epoch_batches(loader)]
+        >>> _ = torch.manual_seed(0); ours == [b[0].tolist() for b in loader]
+        True
+    """
+    if not gathers(loader):
+        return iter(loader)
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # iter(loader)'s draw (its base seed)
+    return _gather(loader.dataset, loader.batch_sampler)
+
+
+def gathers(loader: Any) -> bool:
+    """True when :func:`epoch_batches` gathers ``loader``'s batches itself (tensors batched in this process)."""
+    return (type(loader) is DataLoader and isinstance(loader.dataset, IndexedTensors) and loader.num_workers == 0
+            and loader.collate_fn is gathered and type(loader.batch_sampler) is BatchSampler
+            and not loader.pin_memory)
+
+
+def gathered_on(loader: Any, device: torch.device) -> bool:
+    """True when :func:`epoch_batches` gathers ``loader``'s batches from tensors on ``device``: they need no move."""
+    return gathers(loader) and all(t.device == device for t in loader.dataset.tensors)
+
+
+def _gather(data: IndexedTensors, batches: BatchSampler) -> Iterator[list[torch.Tensor]]:
+    order = sampler_order(batches.sampler)
+    if batches.drop_last:
+        order = order[:len(order) // batches.batch_size * batches.batch_size]
+    if len(order):
+        for rows in order.split(batches.batch_size):
+            yield [t.index_select(0, rows) for t in data.tensors]
+
+
+def sampler_order(sampler: Any) -> torch.Tensor:
+    """The indices one pass over ``sampler`` yields, as one tensor, with the same random draws.
+
+    A ``RandomSampler`` (without replacement, over its whole dataset) draws one ``randperm`` as its ``__iter__``
+    does (from its generator, or from one seeded by the global generator), without a Python int per index; a
+    ``SequentialSampler`` is a range; any other sampler is iterated.
+
+    Example:
+        >>> _ = torch.manual_seed(0); ours = sampler_order(RandomSampler(range(6)))
+        >>> _ = torch.manual_seed(0); ours.tolist() == list(RandomSampler(range(6)))
+        True
+    """
+    if type(sampler) is SequentialSampler:
+        return torch.arange(len(sampler))
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        n = len(sampler.data_source)
+        if sampler.generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        order = torch.randperm(n, generator=sampler.generator)
+        torch.randperm(n, generator=sampler.generator)  # its last draw, at the end of a pass (its num_samples % n)
+        return order
+    return torch.tensor(list(sampler), dtype=torch.int64)
 
 
 def _indexed(data: Any, loader_kwargs: dict) -> Any:
@@ -189,7 +258,7 @@ def skip_to(loader: DataLoader, resume: dict[str, Any], epoch: int) -> tuple[Ite
     for name, g in loader_generators(loader).items():
         if name in state["generators"]:
             g.set_state(state["generators"][name])
-    batches = iter(loader)
+    batches = epoch_batches(loader)
     done = int(resume["batches"])
     # Replaying the loader (rather than skipping sampler indices) also
     # replays whatever randomness the dataset or workers draw per sample.

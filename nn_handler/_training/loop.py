@@ -272,7 +272,7 @@ class Loop:
             # needs it to replay the same order.
             stoppable = monitor is not None or max_steps is not None
             epoch_start = D.epoch_start_state(loader, learning_rates(parts.optimizers)) if stoppable else None
-            batches = iter(loader)
+            batches = D.epoch_batches(loader)
         if uneven == "step":
             batches = U.agreed(batches, first, epoch)
         rows = D.RealRows(loader, sum(sizes))
@@ -280,6 +280,9 @@ class Loop:
                if progress and parts.is_main_process else None)
         micro = 0
         stop = None
+        non_blocking = reads.non_blocking
+        on_device = D.gathered_on(loader, device)  # in-memory tensors there already: no move per batch
+        padded = rows.real is not None  # DistributedSampler padding at the shard's end: some rows not counted
         try:
             # The user's own collectives in a step (loss_fn, callbacks) are watched for stalls.
             with watch_collectives(), steps.refusing_steps_by_hand():
@@ -287,11 +290,12 @@ class Loop:
                     new_wait()  # a collective the user's code calls at every step waits anew at each
                     for cb in callbacks:
                         cb.on_batch_begin(view, i)
-                    batch = B.move(batch, device, reads.non_blocking)
+                    if not on_device:
+                        batch = B.move(batch, device, non_blocking)
                     micro += 1
                     boundary = micro == k or (n_batches is not None and i + 1 == n_batches)
                     n = B.sample_count(batch)
-                    keep = rows.take(n)  # DistributedSampler padding: trained on, as DDP must; weighed 0 in the sums
+                    keep = rows.take(n) if padded else n  # padding: trained on, as DDP must; weighed 0 in the sums
                     loss, counted, returned = steps.run(batch, i, boundary, pause_sync, None if keep == n else keep)
                     if boundary:
                         note_step(state.global_step)

@@ -5,6 +5,7 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 
 from __future__ import annotations
 
+import operator
 import resource
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -65,15 +66,36 @@ def reduce_over_ranks(
     return flat[:n], [flat[n + r * k:n + (r + 1) * k] for r in range(world)]
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _stacked(values: list, device: torch.device | str) -> torch.Tensor:
+    """Per-batch values (scalar tensors or numbers) as one float64 tensor on ``device``.
+
+    Example:
+        >>> _stacked([torch.tensor(1.5), 2, torch.tensor([3.0])], "cpu")
+        tensor([1.5000, 2.0000, 3.0000], dtype=torch.float64)
+    """
+    try:
+        # The step's detached scalar tensors, of one dtype (read in C: this is every batch's value): one stack and
+        # one conversion, exact as each one's. Numbers, shapes (1,), several dtypes or devices (a resumed epoch's
+        # values from its checkpoint) take the way below.
+        if len(set(map(_DTYPE, values))) == 1:
+            t = torch.stack(values)
+            if t.dim() == 1:
+                return t.detach().to(device, torch.float64)
+    except (AttributeError, TypeError, RuntimeError):
+        pass
+    return torch.stack([torch.as_tensor(v).detach().reshape(()).to(device, torch.float64) for v in values])
+
+
 def weighted_sum(values: list, weights: torch.Tensor) -> torch.Tensor:
-    t = torch.stack([torch.as_tensor(v).detach().reshape(()).to(weights.device, torch.float64) for v in values])
-    return (t * weights).sum()
+    return (_stacked(values, weights.device) * weights).sum()
 
 
 def as_float64(values: list) -> torch.Tensor:
     """Per-batch metric values as one float64 CPU tensor (what a mid-epoch checkpoint keeps)."""
-    return torch.stack([torch.as_tensor(v).detach().reshape(()).to("cpu", torch.float64) for v in values]) \
-        if values else torch.zeros(0, dtype=torch.float64)
+    return _stacked(values, "cpu") if values else torch.zeros(0, dtype=torch.float64)
 
 
 class Columns:

@@ -25,6 +25,7 @@ from ..errors import ConfigurationError
 
 AMP_CHOICES = (False, True, "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_FULL_PRECISION = contextlib.nullcontext()  # one no-op for every step: a nullcontext is entered any number of times
 
 
 def check_amp(amp: Any) -> bool | str:
@@ -101,7 +102,7 @@ class Precision:
     def autocast(self):
         """``torch.autocast`` to :attr:`dtype`, or a no-op context in full precision."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _FULL_PRECISION
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     def convert_output(self, outputs: Any) -> Any:

@@ -23,8 +23,11 @@ Private: :class:`~nn_handler.NNHandler` is the public face.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-from typing import Any, Callable, Iterator, Mapping
+import operator
+from collections.abc import Mapping  # not typing's: isinstance with it runs through Python at every step
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,6 +43,8 @@ from .schedule import OptimizerSteps
 from .sharding import can_pause_sync, gradient_sync_paused
 
 StepFn = Callable[[StepContext, Any], Any]
+_GRAD = operator.attrgetter("grad")
+_NONE = itertools.repeat(None)
 log = logging.getLogger(__name__)
 
 
@@ -128,12 +133,14 @@ class StepValues:
             self.names = []
         if isinstance(result, torch.Tensor) and result.dim() == 0:
             return result.detach(), {}
-        if not isinstance(result, Mapping) or "loss" not in result:
+        if not (type(result) is dict or isinstance(result, Mapping)) or "loss" not in result:
             self._refuse(result)
         loss = result["loss"]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             self._refuse(loss, "'loss' of ")
-        values = {name: self._scalar(name, value) for name, value in result.items() if name != "loss"}
+        # A scalar tensor (the common value) is detached here; anything else is checked by _scalar.
+        values = {name: value.detach() if type(value) is torch.Tensor and value.numel() == 1
+                  else self._scalar(name, value) for name, value in result.items() if name != "loss"}
         if not self._known.issuperset(values):
             self._learn([k for k in values if k not in self._known])
         return loss.detach(), values
@@ -299,10 +306,9 @@ class MicroBatches:
 
     def _zero_grads(self) -> None:
         for name, params in self._params.items():
-            for p in params:  # a plain loop: no generator per step
-                if p.grad is not None:
-                    self.ctx.optimizers[name].zero_grad(set_to_none=True)
-                    break
+            # Whether any parameter holds a gradient, read in C (map, any), not in a Python loop: at every step.
+            if any(map(operator.is_not, map(_GRAD, params), _NONE)):
+                self.ctx.optimizers[name].zero_grad(set_to_none=True)
 
 
 
