@@ -89,9 +89,15 @@ def test_batches_go_to_a_device_without_waiting(monkeypatch, device_reads):
     monkeypatch.setattr(batches, "to_device", to_device)  # every batch moves through batches.move
     X, y = make_data(32)
     handler = make_handler()
-    handler.set_train_loader((X, y), batch_size=8)
+    # A DataLoader's batches are moved one by one, as a GPU's are from the host.
+    handler.set_train_loader(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=8))
     handler.train(1, progress=False)
     assert copies == [True] * 4
+    # Tensors given in memory are gathered where they are: on the device already, nothing is moved.
+    copies.clear()
+    handler.set_train_loader((X, y), batch_size=8)
+    handler.train(2, progress=False)
+    assert copies == []
 
 
 def test_a_single_cpu_process_checks_each_loss_on_the_host(monkeypatch):
