@@ -113,7 +113,7 @@ def test_two_torchrun_nodes_train_like_one_node_with_two_processes(reference, tm
     # One rank on each node process, as the rendezvous assigned them.
     assert sorted(r["rank"] for r in rows) == [0, 1]
     assert {r["rank"] for r in parse_results(nodes[0][1])} != {r["rank"] for r in parse_results(nodes[1][1])}
-    assert _summaries(rows) == reference_for_slurm
+    assert _summaries(rows) == reference
 
 
 @pytest.mark.timeout(300)
@@ -124,7 +124,7 @@ def test_elastic_restart_after_a_hard_exit_mid_epoch_resumes_to_the_same_weights
     rows = _ok(result)
     assert re.search(r"exitcode\W+13\W.*local_rank\W+1", result.stdout), result.stdout[-4000:]
     assert [r["restart_count"] for r in rows] == [1, 1]  # the second attempt finished
-    assert _summaries(rows) == reference_for_slurm
+    assert _summaries(rows) == reference
     # Rotation kept the last two epochs; no temporary file was left behind.
     assert [p.name for p in list_run_checkpoints(tmp_path)] == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
