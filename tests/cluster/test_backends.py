@@ -165,7 +165,7 @@ def _end_process(device):
     os._exit(3)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_an_initializer_that_ends_its_process_fails_the_start(fresh):
     # On Ray the actor ran its initializer as it was built: each restart ran it
     # again and died again, and start() waited for ever. The bound on start-up

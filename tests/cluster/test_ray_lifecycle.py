@@ -57,7 +57,7 @@ def _exit_when_restarted(marker: str, device):
         pass
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_initializer_that_kills_the_restarted_worker_fails_the_next_calls(cluster, backend, tmp_path):
     marker = str(tmp_path / "started")
@@ -114,7 +114,7 @@ from nn_handler import ParallelExecutor
 """
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_ray_shut_down_under_an_open_executor_is_a_clear_error_and_starts_no_ray():
     script = RAY_INIT + """
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -140,7 +140,7 @@ print("Ray initialized after:", ray.is_initialized())
     assert "Traceback" not in out, out  # nor a thread's traceback printed
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_an_executor_left_open_at_exit_starts_no_second_ray():
     # Ray's exit hook runs first when something registered its own before Ray was imported (here a
     # temporary directory; nn_handler imports Ray only when an executor asks for it).
@@ -193,7 +193,7 @@ def _draw(device):
     return float(torch.rand(1)), random.random()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_actors_are_seeded_as_local_workers_and_the_callers_stream_stays(cluster, monkeypatch):
     import itertools
 
@@ -230,7 +230,7 @@ def _draw_and_stderr(device):
     return (float(torch.rand(1)), random.random()), text
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_actors_are_seeded_after_their_initializers_imports_without_a_ray_deprecation_warning(cluster):
     import seeds_at_import  # seeds at its top level, in every actor that loads the initializer too
 

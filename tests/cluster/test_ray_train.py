@@ -12,7 +12,7 @@ from helpers import REPO, run_command
 pytest.importorskip("ray.train.torch")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_nn_handler_trains_in_ray_train_workers_on_their_process_group(tmp_path):
     proc = run_command([sys.executable, str(REPO / "examples" / "ray_train.py"), "--workers", "2", "--epochs", "3"],
                        timeout=240, cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)})
