@@ -154,8 +154,8 @@ def test_worker_killed_gives_worker_died_and_next_call_runs_the_initializer_agai
         os.kill(pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(WorkerDiedError) as info:
-        future.result(timeout=30)
-    assert time.monotonic() - started < 15
+        future.result(timeout=50)
+    assert time.monotonic() - started < 45  # at the death, not when the 60 s call would have ended
     assert "died" in str(info.value)
     after = fresh.run(lambda device: (os.getpid(), worker_state()["loaded"][2]))
     assert all(pid not in before and pid == init_pid for pid, init_pid in after)
