@@ -184,12 +184,10 @@ def sample_count(batch: Any) -> int:
         >>> sample_count((torch.ones(7, 5, 2), torch.ones(5))), sample_count((torch.ones(3), torch.ones(3), 1))
         (5, 3)
     """
-    if type(batch) is tuple or type(batch) is list:
-        if len(batch) == 2 and isinstance(batch[1], torch.Tensor) and batch[1].dim() > 0:
-            return batch[1].shape[0]  # (inputs, targets), the most common batch: what size_of reads, quicker
-        if len(batch) > 2:
-            return size_of(batch, None)
-    elif isinstance(batch, (list, tuple)) and len(batch) > 2:
+    if ((type(batch) is tuple or type(batch) is list) and len(batch) == 2 and isinstance(batch[1], torch.Tensor)
+            and batch[1].dim() > 0):
+        return batch[1].shape[0]  # (inputs, targets), the most common batch: what size_of reads, quicker
+    if isinstance(batch, (list, tuple)) and len(batch) > 2:
         return size_of(batch, None)
     return size_of(*split(batch))
 
