@@ -1347,7 +1347,8 @@ def test_failed_starts_leave_no_fd_and_shutdown_works(monkeypatch):
         ex.shutdown()
         if attempt == 0:
             fds = _fds()
-    assert _fds() == fds
+    # Not more: a pool an earlier test left to the garbage collector may close its own meanwhile.
+    assert _fds() <= fds
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", second_start_fails)
     for attempt in range(4):
         ex = ParallelExecutor(device_ids=CPU2)
@@ -1357,7 +1358,7 @@ def test_failed_starts_leave_no_fd_and_shutdown_works(monkeypatch):
         assert len(started) == attempt + 1 and not pids_alive(started)  # the worker that did start is gone
         if attempt == 0:
             fds = _fds()
-    assert _fds() == fds, "file descriptors leaked by failed starts"
+    assert _fds() <= fds, "file descriptors leaked by failed starts"
 
 
 def test_executor_inside_a_worker():
