@@ -1424,6 +1424,34 @@ def test_forked_child_never_touches_the_parents_pools(child):
     assert "Exception ignored" not in result.stdout and "Traceback" not in result.stdout, result.stdout
 
 
+_MANY_FINALIZERS = textwrap.dedent("""
+    import os, weakref
+    from nn_handler import parallelize_on_gpus
+
+    class Thing:
+        pass
+
+    @parallelize_on_gpus(device_ids=["cpu"], keep_alive=60)
+    def pid(device):
+        return os.getpid()
+
+    if __name__ == "__main__":
+        things = [Thing() for _ in range(300_000)]
+        for thing in things:  # the program's own finalizers: weakref's exit hook walks them for a while
+            weakref.finalize(thing, int)
+        print("PID", pid(), flush=True)
+""")
+
+
+def test_a_warm_pool_ends_quietly_at_exit_beside_many_finalizers():
+    # At exit the warm pool's keep-alive timer is cancelled; its thread, had it held the last reference to the
+    # executor, would drop it (its finalizer leaving weakref's registry) while weakref's exit hook walks that
+    # registry: "Exception ignored in atexit callback ... dictionary changed size during iteration".
+    result = run_command([sys.executable, "-c", _MANY_FINALIZERS], timeout=90)
+    assert result.returncode == 0 and "PID [" in result.stdout, result.stdout
+    assert "Exception ignored" not in result.stdout and "Traceback" not in result.stdout, result.stdout
+
+
 def test_busy_worker_ends_while_its_dead_caller_is_still_an_unreaped_zombie(tmp_path):
     """A killed caller stays a zombie until its parent (a shell, a notebook server, here the test)
     reaps it; signalling a zombie succeeds, so the worker must not take it for alive and spin on."""

@@ -70,14 +70,18 @@ class _WarmPools:
             self._users[key] -= 1
             if self._users[key] > 0:
                 return  # another thread is still calling it
-            timer = threading.Timer(keep_alive, self._expire, args=(key, executor))
+            # The timer names the executor by a weak reference: a cancelled timer's thread ends on its own time,
+            # and at exit, were it the last to hold the executor, the executor's finalizer would leave the
+            # registry that `weakref.finalize`'s exit hook is walking ("dictionary changed size").
+            timer = threading.Timer(keep_alive, self._expire, args=(key, weakref.ref(executor)))
             timer.daemon = True  # never keeps the interpreter alive
             self._timers[key] = timer
             timer.start()
 
-    def _expire(self, key: tuple, executor: ParallelExecutor) -> None:
+    def _expire(self, key: tuple, executor_ref: weakref.ref) -> None:
         with self._lock:
-            if self._pools.get(key) is not executor or key not in self._timers or self._users[key] > 0:
+            executor = self._pools.get(key)
+            if executor is None or executor is not executor_ref() or key not in self._timers or self._users[key] > 0:
                 return
             del self._pools[key], self._timers[key], self._users[key]
         executor.shutdown()
