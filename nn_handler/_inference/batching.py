@@ -26,8 +26,10 @@ from typing import Any, Callable, Iterable, Iterator
 __all__ = ["Batch", "SORT_WINDOW", "fixed_batches", "token_batches", "describe"]
 
 #: Items read, sorted by length and cut into token-budget batches together. Larger windows pad less (items of
-#: like lengths meet more often) and hold more samples in the caller's memory at once.
-SORT_WINDOW = 4096
+#: like lengths meet more often) and hold more samples in the caller's memory at once. On benchmarks/
+#: bench_inference.py's lengths (log-normal, median 128, up to 512; max_tokens=16,384) 8,192 pads 2.1 % of the
+#: tokens, 4,096 pads 3.4 %.
+SORT_WINDOW = 8192
 
 
 @dataclasses.dataclass
