@@ -45,6 +45,18 @@ def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def open_files(containing: str) -> set[str]:
+    """What this process's descriptors are open on, as ``/proc/self/fd`` shows it (``<name> (deleted)`` for a
+    file whose name went), where that contains ``containing``."""
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return {link for link in links if containing in link}
+
+
 def pids_alive(pids) -> list[int]:
     """The pids in ``pids`` that are running (zombies count as gone)."""
     alive = []

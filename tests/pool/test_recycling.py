@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import pids_alive
+from helpers import open_files, pids_alive
 from nn_handler import ParallelExecutor, worker_state
 from nn_handler.errors import ConfigurationError
 from nn_handler.utils._workers.worker import memory_in_use
@@ -146,15 +146,7 @@ def test_worker_memory_limit_does_not_count_the_result_files_it_writes_again():
 def _result_files_held(_=None):
     """This worker's pid, and the result files it holds open (``nnh-*-w0.*``, lent to its caller or given back
     to write again), by the names they had (each side's link reads ``<name> (deleted)``)."""
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "/nnh-" in link and "-w0." in link:
-            held.add(link)
-    return os.getpid(), held
+    return os.getpid(), {link for link in open_files("/nnh-") if "-w0." in link}
 
 
 def test_worker_memory_limit_counts_the_result_files_a_worker_keeps_for_itself_not_those_it_handed_over():
@@ -165,9 +157,8 @@ def test_worker_memory_limit_counts_the_result_files_a_worker_keeps_for_itself_n
         baseline = probe.submit(_memory).result(timeout=60)
     with ParallelExecutor(device_ids=["cpu"], pass_device=False, worker_memory_limit=baseline + (128 << 20)) as ex:
         pid, results = ex.submit(_results, 64, 3).result(timeout=60)  # 192 MiB, handed over: kept by the caller
-        held = ex.submit(_result_files_held).result(timeout=60)
-        assert held[0] == pid and len(held[1]) == 3
-        files = held[1]
+        worker, files = ex.submit(_result_files_held).result(timeout=60)
+        assert worker == pid and len(files) == 3
         assert files <= _result_files_held()[1]  # the caller maps them too
         assert ex.submit(_result_files_held).result(timeout=60) == (pid, files), "replaced for the caller's results"
         del results  # given back with the next task: the worker keeps 192 MiB of files to write results into

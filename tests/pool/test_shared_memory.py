@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, kill_group, pids_alive, run_command
+from helpers import REPO, kill_group, open_files, pids_alive, run_command
 from nn_handler import ParallelExecutor, WorkerDiedError
 
 CPU2 = ["cpu", "cpu"]
@@ -311,13 +311,7 @@ def _filled(value, device=None):
 def _open_result_files(device=None) -> set:
     """The files of the transport this process holds open (they have no name: lent files), by the names
     they had."""
-    links = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            links.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return {link for link in links if "/nnh-" in link}
+    return open_files("/nnh-")
 
 
 def test_the_file_of_a_dropped_result_is_written_again_and_no_name_stays():
