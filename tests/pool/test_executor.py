@@ -82,8 +82,10 @@ def test_seed_style_device_first_parameter(pool):
 
 
 def test_function_without_device_parameter_is_a_clear_error(pool):
-    with pytest.raises(TypeError, match="takes no `device` argument but pass_device=True"):
+    with pytest.raises(TypeError, match="takes no `device` argument but pass_device=True") as raised:
         pool.run(lambda x: x, 1)
+    # The error stands alone: its traceback shows no internal cache miss ("During handling of ... KeyError").
+    assert raised.value.__context__ is None
 
 
 def test_a_wrapper_that_takes_the_device_itself_is_given_it(pool):

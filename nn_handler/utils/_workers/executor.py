@@ -75,6 +75,7 @@ def _check_timeout(timeout: float | None, name: str = "timeout") -> float | None
 
 
 _positions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # code object -> device position
+_UNSEEN = object()  # a code object not yet in _positions (None is a position: by keyword)
 _packed = FunctionMemo()  # functions whose pickle cannot have changed since they were last sent
 
 
@@ -88,11 +89,10 @@ def _device_position(func, pass_device: bool) -> int | None:
         and not hasattr(func, "__wrapped__")
     if not plain or code is None:
         return _find_device_position(func, pass_device)
-    try:
-        return _positions[code]
-    except KeyError:
+    position = _positions.get(code, _UNSEEN)
+    if position is _UNSEEN:  # (not in an ``except KeyError``: a TypeError for a bad signature would chain to it)
         position = _positions[code] = _find_device_position(func, pass_device)
-        return position
+    return position
 
 
 def _find_device_position(func, pass_device: bool) -> int | None:
