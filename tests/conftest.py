@@ -16,7 +16,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from helpers import LAUNCH_VARS, REPO
+from helpers import LAUNCH_VARS, REPO, with_quick_exit
 
 import pytest
 
@@ -160,7 +160,12 @@ def pytest_configure(config):
     nothing is ever written, so each of the suite's thousand-odd processes
     (workers, ranks, scripts) compiled nn_handler from source again: about
     0.3 s of CPU a process. Bytecode is still read where the variable is set.
+
+    Then every process the suite starts gets the suite's ``sitecustomize`` (see :data:`helpers.QUICK_EXIT`).
     """
+    # Every process started from here on (pytest-xdist's workers, the tests' scripts, ranks, executor servers)
+    # skips the last garbage collection at its exit: tests/scripts/quick_exit/sitecustomize.py.
+    os.environ["PYTHONPATH"] = with_quick_exit(os.environ.get("PYTHONPATH"))
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller: its workers start after this
         _compile_site_packages_if_pip_did_not()
         for folder in ("nn_handler", "tests", "examples"):

@@ -16,15 +16,30 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 
 
 REPO = Path(__file__).resolve().parent.parent
+# The folder of the suite's sitecustomize (see its docstring): last on the PYTHONPATH of every process it starts.
+QUICK_EXIT = REPO / "tests" / "scripts" / "quick_exit"
+
+
+def with_quick_exit(pythonpath: str | None) -> str:
+    """``pythonpath`` (a ``PYTHONPATH`` value, or None) with :data:`QUICK_EXIT` at its end, once.
+
+    Last, so that a test's own ``sitecustomize`` earlier on the path is the one Python runs.
+    """
+    entries = [p for p in (pythonpath or "").split(os.pathsep) if p and p != str(QUICK_EXIT)]
+    return os.pathsep.join([*entries, str(QUICK_EXIT)])
 
 
 def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
-                input: str | None = None) -> subprocess.CompletedProcess:
+                input: str | None = None, quick_exit: bool = True) -> subprocess.CompletedProcess:
     """Run a launcher command in its own process group; on timeout kill the whole group and fail.
 
-    ``input`` is fed to its stdin (a script for ``python -``).
+    ``input`` is fed to its stdin (a script for ``python -``). ``quick_exit=False``: its processes exit as any
+    program does, last garbage collection included (for a test of what happens at exit; see :data:`QUICK_EXIT`).
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = with_quick_exit(full_env.get("PYTHONPATH"))
+    if not quick_exit:
+        full_env["PYTHONPATH"] = full_env["PYTHONPATH"].removesuffix(str(QUICK_EXIT)).rstrip(os.pathsep)
     for name in LAUNCH_VARS:  # the test process's own variables must not leak into the job
         if env is None or name not in env:
             full_env.pop(name, None)

@@ -165,7 +165,7 @@ def counted_init(*args, **kwargs):
     return started(*args, **kwargs)
 ray.init = counted_init
 """
-    result = run_command([sys.executable, "-c", script], timeout=180)
+    result = run_command([sys.executable, "-c", script], timeout=180, quick_exit=False)
     assert result.returncode == 0 and "ran [1]" in result.stdout, result.stdout
     assert "ray.init called again" not in result.stdout and result.stdout.count(STARTED) == 1, result.stdout
 

@@ -1265,7 +1265,7 @@ _EXIT_WITH_DAEMON_THREAD_IN_A_CALL = textwrap.dedent("""
 
 def test_interpreter_exit_with_a_daemon_thread_in_a_call_ends_the_workers():
     start = time.monotonic()
-    result = run_command([sys.executable, "-c", _EXIT_WITH_DAEMON_THREAD_IN_A_CALL], timeout=60)
+    result = run_command([sys.executable, "-c", _EXIT_WITH_DAEMON_THREAD_IN_A_CALL], timeout=60, quick_exit=False)
     assert result.returncode == 0, result.stdout
     assert "MAIN RETURNS" in result.stdout
     pids = [int(p) for p in re.search(r"PIDS (.*)", result.stdout).group(1).split()]
@@ -1419,7 +1419,7 @@ _FORK_CALLER = textwrap.dedent("""
 
 @pytest.mark.parametrize("child", ["exit", "call", "busy"])
 def test_forked_child_never_touches_the_parents_pools(child):
-    result = run_command([sys.executable, "-c", _FORK_CALLER, child], timeout=90)
+    result = run_command([sys.executable, "-c", _FORK_CALLER, child], timeout=90, quick_exit=False)
     assert result.returncode == 0, result.stdout
     assert "CHILD 0" in result.stdout, result.stdout
     assert "SAME" in result.stdout, result.stdout
@@ -1449,7 +1449,7 @@ def test_a_warm_pool_ends_quietly_at_exit_beside_many_finalizers():
     # At exit the warm pool's keep-alive timer is cancelled; its thread, had it held the last reference to the
     # executor, would drop it (its finalizer leaving weakref's registry) while weakref's exit hook walks that
     # registry: "Exception ignored in atexit callback ... dictionary changed size during iteration".
-    result = run_command([sys.executable, "-c", _MANY_FINALIZERS], timeout=90)
+    result = run_command([sys.executable, "-c", _MANY_FINALIZERS], timeout=90, quick_exit=False)
     assert result.returncode == 0 and "PID [" in result.stdout, result.stdout
     assert "Exception ignored" not in result.stdout and "Traceback" not in result.stdout, result.stdout
 

@@ -438,7 +438,8 @@ def test_the_program_does_not_exit_before_the_submitted_tasks_are_done(kind, how
     script = tmp_path / "submit_then_exit.py"
     script.write_text(_SUBMIT_THEN_EXIT)
     (tmp_path / "out").mkdir()
-    result = run_command([sys.executable, str(script), kind, how, str(tmp_path / "out")], timeout=90)
+    result = run_command([sys.executable, str(script), kind, how, str(tmp_path / "out")], timeout=90,
+                         quick_exit=False)
     assert result.returncode == 0 and "MAIN RETURNS" in result.stdout, result.stdout[-3000:]
     assert sorted(os.listdir(tmp_path / "out")) == [f"m{i}" for i in range(4)] + [f"s{i}" for i in range(6)]
 
