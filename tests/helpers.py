@@ -20,13 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 QUICK_EXIT = REPO / "tests" / "scripts" / "quick_exit"
 
 
-def with_quick_exit(pythonpath: str | None) -> str:
-    """``pythonpath`` (a ``PYTHONPATH`` value, or None) with :data:`QUICK_EXIT` at its end, once.
+def with_quick_exit(pythonpath: str | None, quick_exit: bool = True) -> str:
+    """``pythonpath`` (a ``PYTHONPATH`` value, or None) with :data:`QUICK_EXIT` at its end, once
+    (``quick_exit=False``: without it).
 
     Last, so that a test's own ``sitecustomize`` earlier on the path is the one Python runs.
     """
     entries = [p for p in (pythonpath or "").split(os.pathsep) if p and p != str(QUICK_EXIT)]
-    return os.pathsep.join([*entries, str(QUICK_EXIT)])
+    return os.pathsep.join([*entries, str(QUICK_EXIT)] if quick_exit else entries)
 
 
 def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
@@ -37,9 +38,7 @@ def run_command(cmd, *, timeout: float = 120, env: dict | None = None, cwd=None,
     program does, last garbage collection included (for a test of what happens at exit; see :data:`QUICK_EXIT`).
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env["PYTHONPATH"] = with_quick_exit(full_env.get("PYTHONPATH"))
-    if not quick_exit:
-        full_env["PYTHONPATH"] = full_env["PYTHONPATH"].removesuffix(str(QUICK_EXIT)).rstrip(os.pathsep)
+    full_env["PYTHONPATH"] = with_quick_exit(full_env.get("PYTHONPATH"), quick_exit)
     for name in LAUNCH_VARS:  # the test process's own variables must not leak into the job
         if env is None or name not in env:
             full_env.pop(name, None)
