@@ -27,9 +27,11 @@ import errno
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from ._checks import check_number
 from .callbacks import Callback, TrainerView
 from ._tracking.mlflow_logger import MLflowLogger
 from ._tracking.values import HParam, StepSeries, checked_hparams
@@ -61,6 +63,13 @@ class TensorBoardLogger(Callback):
       host at those steps only), with ``step/lr_group<i>``, the learning rate
       of each param group (``step/lr_<optimizer>_group<i>`` with several).
 
+    The step values gathered in the last ``hand_over_s`` seconds go to the
+    writer together: TensorBoard's writer thread checksums every event in pure
+    Python, and a thread woken for each one costs training far more than a
+    burst now and then (the writer writes its file every 2 minutes and at
+    every epoch's end; each epoch's end, train's end and :meth:`close` hand
+    over what is gathered first).
+
     A writer that starts at a global step above 0 (a resumed run) marks that
     step in its file, and TensorBoard drops older points from that step on:
     a run that crashed after its last checkpoint leaves no duplicate points.
@@ -70,6 +79,7 @@ class TensorBoardLogger(Callback):
         log_every_n_steps: Step losses every this many optimizer steps (>= 1).
         hparams: Hyperparameters (str -> bool, int, float or str) shown in
             TensorBoard's HParams tab, next to the run's ``epoch/`` losses and metrics.
+        hand_over_s: Seconds at least between two hand-overs of step values to the writer.
 
     Raises:
         MissingExtraError: TensorBoard is not installed (``pip install 'nn_handler[tensorboard]'``).
@@ -83,7 +93,7 @@ class TensorBoardLogger(Callback):
     """
 
     def __init__(self, log_dir: str | os.PathLike, log_every_n_steps: int = 50,
-                 hparams: Mapping[str, HParam] | None = None):
+                 hparams: Mapping[str, HParam] | None = None, hand_over_s: float = 5.0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -102,6 +112,9 @@ class TensorBoardLogger(Callback):
         self._hparams_written = False
         self._series = series
         self._written_step = 0  # the highest global step written
+        self.hand_over_s = check_number("hand_over_s", hand_over_s, strict=False, unit="seconds")
+        self._gathered: list[tuple[int, dict[str, float]]] = []  # (global step, values) not yet handed over
+        self._handed_over_at = time.monotonic()
 
     def on_train_begin(self, handler: TrainerView) -> None:
         if not handler.is_main_process:
@@ -129,18 +142,26 @@ class TensorBoardLogger(Callback):
         values = self._series.batch_end(handler.global_step, loss, outputs, handler)
         if values is None:
             return
-        # One event holding the step's values (add_scalar makes one each): one record for the writer's thread
-        # to checksum and write, and one wake-up of it, per logged step.
+        self._gathered.append((handler.global_step, values))
+        self._written_step = max(self._written_step, handler.global_step)
+        if time.monotonic() - self._handed_over_at >= self.hand_over_s:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the gathered step values to the writer: one event a step (add_scalar would make one a value)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        summary = Summary(value=[Summary.Value(tag=f"step/{name}", simple_value=value)
-                                 for name, value in values.items()])
-        self._writer._get_file_writer().add_summary(summary, handler.global_step)
-        self._written_step = max(self._written_step, handler.global_step)
+        file_writer = self._writer._get_file_writer()
+        for step, values in self._gathered:
+            file_writer.add_summary(Summary(value=[Summary.Value(tag=f"step/{name}", simple_value=value)
+                                                   for name, value in values.items()]), step)
+        self._gathered.clear()
+        self._handed_over_at = time.monotonic()
 
     def on_epoch_end(self, handler: TrainerView, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
             return
+        self._hand_over()
         # The trainer counts an epoch as done only when it completed; a part
         # (a max_steps or max_time stop) leaves handler.epoch behind ``epoch``.
         part = handler.epoch < epoch
@@ -154,15 +175,21 @@ class TensorBoardLogger(Callback):
         self._writer.flush()
 
     def on_train_end(self, handler: TrainerView) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        self.flush()
 
     def on_exception(self, handler: TrainerView, exception: BaseException) -> None:
         self.on_train_end(handler)  # what was logged up to the failure is on disk
 
+    def flush(self) -> None:
+        """Hand the gathered step values to the writer and write the event file to disk now."""
+        if self._writer is not None:
+            self._hand_over()
+            self._writer.flush()
+
     def close(self) -> None:
         """Flush and close the event file (a later ``train()`` opens a new one)."""
         if self._writer is not None:
+            self._hand_over()
             self._writer.close()
             self._writer = None
 

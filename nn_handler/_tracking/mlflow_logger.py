@@ -119,6 +119,10 @@ class MLflowLogger(TrackerLogger):
         self._sender.close(self._wait_s(), self.fallback_dir.resolve() / name)
         self._sender = None
 
+    def flush(self) -> None:
+        if self._sender is not None:
+            self._sender.flush(self._wait_s())
+
     def _wait_s(self) -> float | None:
         """How long training waits for the sender: bounded for a server, not for a local store (no network)."""
         remote = (self.tracking_uri or _default_uri()).split(":", 1)[0] in ("http", "https", "databricks")

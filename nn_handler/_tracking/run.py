@@ -59,6 +59,9 @@ class TrackerLogger(Callback):
         """Mark the run ``finished``, ``failed`` (``failure``: the exception's type) or ``preempted``; close it."""
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Send what is gathered now, and wait for it (for a server, at most ``end_timeout_s``)."""
+
     # --------------------------------------------------------------------- hooks
     def on_train_begin(self, handler: TrainerView) -> None:
         if not handler.is_main_process or self._open_run:

@@ -14,6 +14,7 @@ from .._checks import check_choice, check_number, invalid
 from ..callbacks import TrainerView
 from ..errors import PREEMPTED_EXIT_CODE, MissingExtraError
 from .run import FINISHED, PREEMPTED, TrackerLogger
+from .sender import Record, Sender
 from .values import HParam
 
 log = logging.getLogger("nn_handler.loggers")
@@ -47,6 +48,11 @@ class WandbLogger(TrackerLogger):
     so); what W&B has not uploaded when training ends stays in the run's local
     files after ``end_timeout_s`` (W&B's ``finish_timeout``), for ``wandb sync``.
 
+    The values, the config and the end go to W&B from a thread of the
+    logger's own, gathered every ``send_every_s`` seconds: a ``run.log`` costs
+    the process far more between training steps, with its code gone cold,
+    than the same calls back to back (the run's end goes at once).
+
     Args:
         project: The W&B project (None: W&B's default).
         dir: Where W&B writes its files (None: W&B's default, the current directory).
@@ -55,6 +61,7 @@ class WandbLogger(TrackerLogger):
         log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
         init_timeout_s: How long starting the run may wait for W&B before going offline.
         end_timeout_s: How long the end of ``train()`` waits for W&B's uploads (offline, the end is waited for).
+        send_every_s: Seconds at least between two sends to W&B: the steps logged meanwhile go together.
 
     Raises:
         MissingExtraError: wandb is not installed (``pip install 'nn_handler[wandb]'``).
@@ -63,7 +70,7 @@ class WandbLogger(TrackerLogger):
 
     def __init__(self, project: str | None = None, dir: str | os.PathLike | None = None, mode: str | None = None,
                  hparams: Mapping[str, HParam] | None = None, log_every_n_steps: int = 50, *,
-                 init_timeout_s: float = 20.0, end_timeout_s: float = 10.0):
+                 init_timeout_s: float = 20.0, end_timeout_s: float = 10.0, send_every_s: float = 5.0):
         try:
             import wandb  # noqa: F401 - here, so that a missing extra shows when the logger is made
         except ImportError as exc:
@@ -77,7 +84,9 @@ class WandbLogger(TrackerLogger):
         self.project, self.dir, self.mode = project, None if dir is None else os.fspath(dir), mode
         self.init_timeout_s = check_number("init_timeout_s", init_timeout_s, unit="seconds")
         self.end_timeout_s = check_number("end_timeout_s", end_timeout_s, unit="seconds")
+        self.send_every_s = check_number("send_every_s", send_every_s, strict=False, unit="seconds")
         self._run: Any = None
+        self._sender: Sender | None = None
         self._failing = False  # a log call failed: warned once
 
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
@@ -109,23 +118,44 @@ class WandbLogger(TrackerLogger):
             except Exception:  # noqa: BLE001
                 self._run = None
 
+    # --------------------------------------------------------------------- the callback's side (training thread)
     def _log(self, step: int, values: dict[str, float]) -> None:
-        self._call(lambda run: run.log(values, step=step))
+        self._put({"kind": "metrics", "step": step, "values": values})
 
     def _params(self, params: dict[str, HParam]) -> None:
-        self._call(lambda run: run.config.update(params, allow_val_change=True))
+        self._put({"kind": "params", "values": params})
 
     def _end(self, state: str, failure: str | None) -> None:
-        def end(run: Any) -> None:
-            run.summary["end_state"] = state
-            if failure is not None:
-                run.summary["failure"] = failure
-            if state == PREEMPTED:
-                run.mark_preempting()
-            run.finish(exit_code=0 if state == FINISHED else PREEMPTED_EXIT_CODE if state == PREEMPTED else 1)
+        self._put({"kind": "end", "state": state, "failure": failure})
+        if self._sender is not None:
+            # Not bounded here: the end's uploads are, by W&B's finish_timeout (the other calls are local).
+            self._sender.close(None, fallback=None)
+            self._sender = None
 
-        self._call(end)
-        self._run = None
+    def flush(self) -> None:
+        if self._sender is not None:
+            self._sender.flush(None)  # hands the values to W&B's local service: no network
+
+    def _put(self, record: Record) -> None:
+        if self._run is None:
+            return
+        if self._sender is None:
+            self._sender = Sender(self._send, f"W&B run {self.run_id}", every_s=self.send_every_s)
+        self._sender.put(record)
+
+    # --------------------------------------------------------------------- the sender thread's side
+    def _send(self, records: list[Record]) -> None:
+        """Hand ``records`` to W&B in order; one that fails is dropped (it would fail again), with a warning."""
+        while records:
+            record = records[0]
+            if record["kind"] == "metrics":
+                self._call(lambda run: run.log(record["values"], step=record["step"]))
+            elif record["kind"] == "params":
+                self._call(lambda run: run.config.update(record["values"], allow_val_change=True))
+            else:
+                self._call(lambda run: _finish(run, record["state"], record["failure"]))
+                self._run = None
+            del records[0]
 
     def _call(self, fn: Any) -> None:
         if self._run is None:
@@ -137,3 +167,12 @@ class WandbLogger(TrackerLogger):
                 log.warning("W&B run %s: could not log (%s: %s); training goes on", self.run_id,
                             type(exc).__name__, exc)
             self._failing = True
+
+
+def _finish(run: Any, state: str, failure: str | None) -> None:
+    run.summary["end_state"] = state
+    if failure is not None:
+        run.summary["failure"] = failure
+    if state == PREEMPTED:
+        run.mark_preempting()
+    run.finish(exit_code=0 if state == FINISHED else PREEMPTED_EXIT_CODE if state == PREEMPTED else 1)

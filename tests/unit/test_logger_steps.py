@@ -101,6 +101,7 @@ def test_a_tracker_without_its_extra_names_the_extra_when_created(monkeypatch, n
     ("MLflowLogger", {"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
     ("WandbLogger", {"mode": "offline=True"}, "mode must be one of"),
     ("WandbLogger", {"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
+    ("WandbLogger", {"send_every_s": -1}, "send_every_s must be a number of seconds >= 0"),
 ])
 def test_a_tracker_refuses_bad_arguments_when_created(name, kwargs, message):
     from nn_handler import loggers

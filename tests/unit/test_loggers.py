@@ -181,6 +181,7 @@ def test_without_tensorboard_the_logger_names_the_extra_when_created(monkeypatch
     ({"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
     ({"hparams": {"layers": [2, 3]}}, r"hparams\['layers'\] must be a bool, int, float or str"),
     ({"hparams": {1: 2}}, "hparams must be a mapping with str keys"),
+    ({"hand_over_s": -1}, "hand_over_s must be a number of seconds >= 0, got -1"),
 ])
 def test_bad_arguments_are_refused_when_the_logger_is_created(tmp_path, kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
@@ -241,3 +242,43 @@ def test_tensorboard_logs_every_value_the_step_returns_per_step(tmp_path):
     for name in ("train_loss", "train_d", "train_g"):
         assert scalars[f"step/{name}"] == [(s, pytest.approx(v[name], rel=1e-6)) for s, v in want.items()], name
     assert [s for s, _ in scalars["step/lr_group0"]] == list(want)
+
+
+class Timeline(Callback):
+    """Marks each micro-batch's end in ``events`` (put it before the logger: its mark comes first)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def on_batch_end(self, handler, step, loss):
+        self.events.append(("batch", handler.global_step))
+
+
+@pytest.mark.parametrize("hand_over_s", [0.0, 3600.0])
+def test_step_values_reach_the_writer_in_bursts_and_a_crash_keeps_every_logged_step(tmp_path, monkeypatch,
+                                                                                      hand_over_s):
+    from torch.utils.tensorboard.writer import FileWriter
+
+    from scripts.scale_case import AtStep, raise_value_error
+
+    events = []
+    add_summary = FileWriter.add_summary
+
+    def spy(self, summary, global_step=None, walltime=None):
+        if summary.value and summary.value[0].tag.startswith("step/"):
+            events.append(("write", global_step))
+        return add_summary(self, summary, global_step, walltime)
+
+    monkeypatch.setattr(FileWriter, "add_summary", spy)
+    logger = TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1, hand_over_s=hand_over_s)
+    handler = make([Timeline(events), logger, AtStep(7, raise_value_error, accum=1)])
+    with pytest.raises(ValueError, match="at step 7"):
+        handler.train(2, progress=False)
+
+    writes = [step for kind, step in events if kind == "write"]
+    assert writes == list(range(1, 8))  # every logged step, the one that raised included, in order
+    if hand_over_s:  # gathered for the whole run, handed over when it raised
+        assert events == [("batch", s) for s in range(1, 8)] + [("write", s) for s in range(1, 8)]
+    else:  # each at once
+        assert events == [e for s in range(1, 8) for e in (("batch", s), ("write", s))]
+    assert [s for s, _ in read_scalars(tmp_path / "tb")["step/train_loss"]] == list(range(1, 8))
