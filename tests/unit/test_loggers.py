@@ -282,3 +282,18 @@ def test_step_values_reach_the_writer_in_bursts_and_a_crash_keeps_every_logged_s
     else:  # each at once
         assert events == [e for s in range(1, 8) for e in (("batch", s), ("write", s))]
     assert [s for s, _ in read_scalars(tmp_path / "tb")["step/train_loss"]] == list(range(1, 8))
+
+
+def test_flush_writes_the_gathered_step_values_to_the_event_file_mid_epoch(tmp_path):
+    logger = TensorBoardLogger(tmp_path / "tb", log_every_n_steps=1, hand_over_s=3600.0)
+    seen = {}
+
+    class ReadAtStep5(Callback):
+        def on_batch_end(self, handler, step, loss):
+            if handler.global_step == 5:
+                seen["before"] = read_scalars(tmp_path / "tb").get("step/train_loss", [])
+                logger.flush()
+                seen["after"] = [s for s, _ in read_scalars(tmp_path / "tb")["step/train_loss"]]
+
+    make([logger, ReadAtStep5()]).train(1, progress=False)
+    assert seen == {"before": [], "after": [1, 2, 3, 4, 5]}
