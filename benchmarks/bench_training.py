@@ -21,9 +21,11 @@ overhead-bound ``--hidden 64`` model >= 0.93x on 1 process, >= 0.97x on 2.
 offline; each with its defaults, ``log_every_n_steps=50``) against none, in the
 same process, interleaved round by round. Each round is one ``train()`` call
 of one epoch; what is timed is the epoch, from its start to its end, with
-what the logger gathered in it sent or written by then (its ``flush()``,
-inside the timed span: the loggers hand values over every few seconds, and
-an epoch here is shorter): the steady state of training. The tracker's run start and end of each
+what the logger gathered in it handed over by then, inside the timed span
+(the loggers hand values over every few seconds, and an epoch here is
+shorter): TensorBoard's events written (``flush()``), MLflow's and W&B's
+records in the pipe to the process of their own that runs their client
+(whose CPU is shown apart): the steady state of training. The tracker's run start and end of each
 ``train()`` call (``wandb.init``, MLflow's run opened on its sender thread,
 which the clock waits for, and the final sends) are reported apart, as
 seconds. Figures: the median over rounds of each round's steps/s ratio to no
@@ -236,8 +238,13 @@ def _nn_handler_logged(steps: int, logger: str | None = None):
             self.start = time.perf_counter()
 
         def on_epoch_end(self, handler, epoch, logs):
-            for cb in callbacks:  # what the logger gathered in the epoch, sent or written within the timed span
-                if hasattr(cb, "flush"):
+            for cb in callbacks:  # what the logger gathered in the epoch, handed over within the timed span
+                sender = getattr(cb, "_sender", None)
+                if sender is not None:
+                    # MLflow's and W&B's clients run in a process of their own: the training process's work
+                    # ends when the records are in the pipe (waiting for that process is not training's work).
+                    sender._forwarder.flush(None)
+                elif hasattr(cb, "flush"):
                     cb.flush()
             self.seconds = time.perf_counter() - self.start
             self.cpu = time.process_time() - self.cpu

@@ -84,6 +84,24 @@ def pids_alive(pids) -> list[int]:
     return alive
 
 
+def child_commands(pid: int | None = None) -> list[str]:
+    """The command lines of the live children of ``pid`` (None: this process), from ``/proc``."""
+    pid = os.getpid() if pid is None else pid
+    commands = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state not in ("Z", "X"):
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    commands.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        except OSError:
+            pass
+    return commands
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group of ``proc`` (started with ``start_new_session=True``) and reap ``proc``."""
     try:

@@ -9,7 +9,10 @@
   failed or preempted.
 - :mod:`.sender`: a thread that sends a tracker's records, so that training
   never waits on the network, and keeps or writes down what it could not send.
-- :mod:`.mlflow_logger`, :mod:`.wandb_logger`: the two trackers.
+- :mod:`.child`: a tracker's client in a process of its own, fed by a :mod:`.sender`
+  thread, so that the client's Python never runs under training's GIL.
+- :mod:`.mlflow_logger`, :mod:`.wandb_logger`: the two trackers' callbacks;
+  :mod:`.mlflow_client`, :mod:`.wandb_client`: their clients' side, run in that process.
 
 Private: :mod:`nn_handler.loggers` is the public face. This package's
 ``__init__`` imports nothing (``callbacks`` imports :mod:`.values` and

@@ -1,4 +1,4 @@
-"""MLflowLogger: a run's values, settings and end in MLflow, sent from a thread of its own.
+"""MLflowLogger: a run's values, settings and end in MLflow, sent from a process of its own.
 
 Private: :mod:`nn_handler.loggers` is the public face (the class's docstring is the documentation).
 """
@@ -13,12 +13,10 @@ from typing import Any, Mapping
 from .._checks import check_number, invalid
 from ..callbacks import TrainerView
 from ..errors import MissingExtraError
-from .run import FAILED, FINISHED, PREEMPTED, TrackerLogger
-from .sender import Record, Sender
+from .child import ChildSender
+from .mlflow_client import MlflowRun
+from .run import TrackerLogger
 from .values import HParam
-
-_STATUS = {FINISHED: "FINISHED", FAILED: "FAILED", PREEMPTED: "KILLED"}
-_BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics (and 100 parameters) a call
 
 
 class MLflowLogger(TrackerLogger):
@@ -45,16 +43,18 @@ class MLflowLogger(TrackerLogger):
     (``resume="auto"``, ``load_checkpoint``) continues the same run from the
     checkpoint's step.
 
-    A tracking server that is down never stops training: the records are
-    sent from a thread of their own (training never waits on the network,
-    and MLflow's client may retry a request for minutes), gathered into one
-    call every ``send_every_s`` seconds (a call costs the process far more
-    than the values in it; the run's start and end go at once), one warning says
-    when sending fails and one when it works again, and unsent records are
-    kept and sent again every few seconds. When training ends, the thread
-    has ``end_timeout_s`` seconds to send the rest; what is still unsent is
-    written to ``<fallback_dir>/mlflow-unsent-<run id>.jsonl``, one JSON
-    record a line (``{"kind": "metrics", "step": ..., "values": {...}}``).
+    A tracking server that is down never stops training: MLflow's client
+    runs in a process of the logger's own, started at each ``train()`` and
+    ended with it (:mod:`nn_handler._tracking.child`; training never waits on
+    the network, MLflow's client may retry a request for minutes, and its
+    Python never runs under the training process's GIL). The records
+    gathered in ``send_every_s`` seconds go to MLflow in one call (the run's
+    start and end go at once); one warning says when sending fails and one
+    when it works again, and unsent records are kept and sent again every few
+    seconds. When training ends, that process has ``end_timeout_s`` seconds
+    to send the rest to a server; what is still unsent is written to
+    ``<fallback_dir>/mlflow-unsent-<run id>-<pid>.jsonl``, one JSON record a
+    line (``{"kind": "metrics", "step": ..., "values": {...}}``).
 
     Args:
         tracking_uri: ``http://host:port`` of a tracking server, a
@@ -93,16 +93,16 @@ class MLflowLogger(TrackerLogger):
         self.fallback_dir = Path(fallback_dir)
         self.end_timeout_s = check_number("end_timeout_s", end_timeout_s, strict=False, unit="seconds")
         self.send_every_s = check_number("send_every_s", send_every_s, strict=False, unit="seconds")
-        self._sender: Sender | None = None
-        self._client: Any = None
-        self._session_opened = False  # the run is open on the server for this train() call
+        self._sender: ChildSender | None = None
         self._waited_for_id = False
 
     # --------------------------------------------------------------------- the callback's side (training thread)
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
-        self._session_opened = self._waited_for_id = False
-        self._sender = Sender(self._send, f"MLflow at {self.tracking_uri or 'the default tracking URI'}",
-                              every_s=self.send_every_s)
+        self._waited_for_id = False
+        run = MlflowRun(self.tracking_uri, self.experiment_name, self.run_name, run_id)
+        fallback = self.fallback_dir.resolve() / f"mlflow-unsent-{{run_id}}-{os.getpid()}.jsonl"
+        self._sender = ChildSender(run, f"MLflow at {self.tracking_uri or 'the default tracking URI'}",
+                                   every_s=self.send_every_s, end_timeout_s=self.end_timeout_s, fallback=fallback)
         self._sender.put({"kind": "open"})
 
     def _log(self, step: int, values: dict[str, float]) -> None:
@@ -115,13 +115,14 @@ class MLflowLogger(TrackerLogger):
 
     def _end(self, state: str, failure: str | None) -> None:
         self._sender.put({"kind": "end", "state": state, "failure": failure, "time_ms": _now_ms()})
-        name = f"mlflow-unsent-{self.run_id or 'unstarted-run'}-{os.getpid()}.jsonl"
-        self._sender.close(self._wait_s(), self.fallback_dir.resolve() / name)
+        self._sender.close(self._wait_s())
+        self.run_id = self._sender.state.get("run_id", self.run_id)
         self._sender = None
 
     def flush(self) -> None:
         if self._sender is not None:
             self._sender.flush(self._wait_s())
+            self.run_id = self._sender.state.get("run_id", self.run_id)
 
     def _wait_s(self) -> float | None:
         """How long training waits for the sender: bounded for a server, not for a local store (no network)."""
@@ -133,72 +134,10 @@ class MLflowLogger(TrackerLogger):
             # The run being created: its id belongs in this checkpoint. Waited for once: a server that is down
             # does not slow down every checkpoint.
             self._waited_for_id = True
-            self._sender.flush(self._wait_s())  # the run being created: its id belongs in this checkpoint
+            self.flush()
+        if self._sender is not None:
+            self.run_id = self._sender.state.get("run_id", self.run_id)
         return super().state_dict()
-
-    # --------------------------------------------------------------------- the sender thread's side
-    def _send(self, records: list[Record]) -> None:
-        """Send ``records`` in order, removing each from the list once MLflow has it."""
-        while records:
-            kind = records[0]["kind"]
-            if kind == "open":
-                self._start_run()
-                del records[0]
-            elif kind == "end":
-                self._end_run(records[0])
-                del records[0]
-            else:  # metrics and parameters, as many as one call takes
-                n, metrics, params = 0, [], []
-                while n < len(records) and records[n]["kind"] in ("metrics", "params"):
-                    record = records[n]
-                    full = (params if record["kind"] == "params" else len(metrics) + len(record["values"]) > _BATCH)
-                    if n and full:
-                        break
-                    metrics += self._metrics(record)
-                    params += self._param_list(record)
-                    n += 1
-                self._client.log_batch(self.run_id, metrics=metrics, params=params, synchronous=True)
-                del records[:n]
-
-    def _start_run(self) -> None:
-        if self._session_opened:
-            return
-        from mlflow import MlflowClient
-
-        if self._client is None:
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
-        client = self._client
-        if self.run_id is None:
-            experiment = client.get_experiment_by_name(self.experiment_name)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else client.create_experiment(self.experiment_name))
-            run = client.create_run(experiment_id, run_name=self.run_name, tags={"end_state": "running"})
-            self.run_id = run.info.run_id
-        else:  # continued: by another train() call, or a resumed process
-            client.update_run(self.run_id, status="RUNNING")
-            client.set_tag(self.run_id, "end_state", "running")
-        self._session_opened = True
-
-    def _end_run(self, record: Record) -> None:
-        client = self._client
-        client.set_tag(self.run_id, "end_state", record["state"])
-        if record["failure"] is not None:
-            client.set_tag(self.run_id, "failure", record["failure"])
-        client.set_terminated(self.run_id, _STATUS[record["state"]], end_time=record["time_ms"])
-
-    @staticmethod
-    def _metrics(record: Record) -> list:
-        from mlflow.entities import Metric
-
-        if record["kind"] != "metrics":
-            return []
-        return [Metric(key, value, record["time_ms"], record["step"]) for key, value in record["values"].items()]
-
-    @staticmethod
-    def _param_list(record: Record) -> list:
-        from mlflow.entities import Param
-
-        return [Param(k, v) for k, v in record["values"].items()] if record["kind"] == "params" else []
 
 
 def _default_uri() -> str:

@@ -5,19 +5,17 @@ Private: :mod:`nn_handler.loggers` is the public face (the class's docstring is 
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
-from typing import Any, Mapping
+from typing import Mapping
 
 from .._checks import check_choice, check_number, invalid
 from ..callbacks import TrainerView
-from ..errors import PREEMPTED_EXIT_CODE, MissingExtraError
-from .run import FINISHED, PREEMPTED, TrackerLogger
-from .sender import Record, Sender
+from ..errors import MissingExtraError
+from .child import ChildSender
+from .run import TrackerLogger
 from .values import HParam
-
-log = logging.getLogger("nn_handler.loggers")
+from .wandb_client import WandbRun
 
 
 class WandbLogger(TrackerLogger):
@@ -48,10 +46,11 @@ class WandbLogger(TrackerLogger):
     so); what W&B has not uploaded when training ends stays in the run's local
     files after ``end_timeout_s`` (W&B's ``finish_timeout``), for ``wandb sync``.
 
-    The values, the config and the end go to W&B from a thread of the
-    logger's own, gathered every ``send_every_s`` seconds: a ``run.log`` costs
-    the process far more between training steps, with its code gone cold,
-    than the same calls back to back (the run's end goes at once).
+    W&B's client runs in a process of the logger's own, started at each
+    ``train()`` and ended with it (:mod:`nn_handler._tracking.child`): a
+    ``run.log`` costs a few hundred microseconds of Python, under the training
+    process's GIL wherever it runs there. Training hands the values over; what
+    gathered goes to that process every ``send_every_s`` seconds.
 
     Args:
         project: The W&B project (None: W&B's default).
@@ -85,94 +84,27 @@ class WandbLogger(TrackerLogger):
         self.init_timeout_s = check_number("init_timeout_s", init_timeout_s, unit="seconds")
         self.end_timeout_s = check_number("end_timeout_s", end_timeout_s, unit="seconds")
         self.send_every_s = check_number("send_every_s", send_every_s, strict=False, unit="seconds")
-        self._run: Any = None
-        self._sender: Sender | None = None
-        self._failing = False  # a log call failed: warned once
+        self._sender: ChildSender | None = None
 
     def _open(self, run_id: str | None, handler: TrainerView) -> None:
-        import wandb
-
         self.run_id = run_id or uuid.uuid4().hex[:12]  # W&B's run ids: letters and digits
-        if self.dir is not None:
-            os.makedirs(self.dir, exist_ok=True)
-        offline = (self.mode or os.environ.get("WANDB_MODE")) in ("offline", "dryrun")
-        # finish_timeout bounds the end's uploads; offline, the end only writes local files, and is waited for
-        # (a bound there can cut the run's last records).
-        settings = wandb.Settings(init_timeout=self.init_timeout_s, finish_timeout=0 if offline else self.end_timeout_s,
-                                  console="off")  # W&B leaves the training's output alone
-        kwargs = dict(project=self.project, dir=self.dir, mode=self.mode, id=self.run_id, resume="allow",
-                      reinit="create_new", settings=settings)
-        try:
-            self._run = wandb.init(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - W&B unreachable: the run is written offline instead
-            if self.mode == "offline":
-                log.warning("W&B could not start run %s (%s: %s); training goes on without it", self.run_id,
-                            type(exc).__name__, exc)
-                self._run = None
-                return
-            log.warning("W&B could not be reached to start run %s (%s: %s); the run is written offline under "
-                        "%s: upload it later with `wandb sync`", self.run_id, type(exc).__name__, exc,
-                        self.dir or os.getcwd())
-            try:
-                self._run = wandb.init(**{**kwargs, "mode": "offline"})
-            except Exception:  # noqa: BLE001
-                self._run = None
+        run = WandbRun(self.project, self.dir, self.mode, self.run_id, self.init_timeout_s, self.end_timeout_s)
+        self._sender = ChildSender(run, f"W&B run {self.run_id}", every_s=self.send_every_s,
+                                   end_timeout_s=self.end_timeout_s, fallback=None)
+        self._sender.put({"kind": "open"})
 
-    # --------------------------------------------------------------------- the callback's side (training thread)
     def _log(self, step: int, values: dict[str, float]) -> None:
-        self._put({"kind": "metrics", "step": step, "values": values})
+        self._sender.put({"kind": "metrics", "step": step, "values": values})
 
     def _params(self, params: dict[str, HParam]) -> None:
-        self._put({"kind": "params", "values": params})
+        self._sender.put({"kind": "params", "values": params})
 
     def _end(self, state: str, failure: str | None) -> None:
-        self._put({"kind": "end", "state": state, "failure": failure})
-        if self._sender is not None:
-            # Not bounded here: the end's uploads are, by W&B's finish_timeout (the other calls are local).
-            self._sender.close(None, fallback=None)
-            self._sender = None
+        self._sender.put({"kind": "end", "state": state, "failure": failure})
+        # Not bounded here: the end's uploads are, by W&B's finish_timeout (the rest is local).
+        self._sender.close(None)
+        self._sender = None
 
     def flush(self) -> None:
         if self._sender is not None:
-            self._sender.flush(None)  # hands the values to W&B's local service: no network
-
-    def _put(self, record: Record) -> None:
-        if self._run is None:
-            return
-        if self._sender is None:
-            self._sender = Sender(self._send, f"W&B run {self.run_id}", every_s=self.send_every_s)
-        self._sender.put(record)
-
-    # --------------------------------------------------------------------- the sender thread's side
-    def _send(self, records: list[Record]) -> None:
-        """Hand ``records`` to W&B in order; one that fails is dropped (it would fail again), with a warning."""
-        while records:
-            record = records[0]
-            if record["kind"] == "metrics":
-                self._call(lambda run: run.log(record["values"], step=record["step"]))
-            elif record["kind"] == "params":
-                self._call(lambda run: run.config.update(record["values"], allow_val_change=True))
-            else:
-                self._call(lambda run: _finish(run, record["state"], record["failure"]))
-                self._run = None
-            del records[0]
-
-    def _call(self, fn: Any) -> None:
-        if self._run is None:
-            return
-        try:
-            fn(self._run)
-        except Exception as exc:  # noqa: BLE001 - a tracker's failure never reaches training
-            if not self._failing:
-                log.warning("W&B run %s: could not log (%s: %s); training goes on", self.run_id,
-                            type(exc).__name__, exc)
-            self._failing = True
-
-
-def _finish(run: Any, state: str, failure: str | None) -> None:
-    run.summary["end_state"] = state
-    if failure is not None:
-        run.summary["failure"] = failure
-    if state == PREEMPTED:
-        run.mark_preempting()
-    run.finish(exit_code=0 if state == FINISHED else PREEMPTED_EXIT_CODE if state == PREEMPTED else 1)
+            self._sender.flush(None)  # to W&B's local service: no network

@@ -224,3 +224,39 @@ def test_a_server_killed_mid_run_never_stops_training(server, tmp_path, caplog):
               if r["kind"] == "metrics" and "step/train_loss" in r["values"]]
     assert stored[:1] == [1] and max(unsent) == 36
     assert sorted(set(stored) | set(unsent)) == list(range(1, 37))  # each step sent or written down
+
+
+KILLED_MID_RUN = """
+import os, signal, sys
+from nn_handler.loggers import MLflowLogger
+from scripts.scale_case import AtStep
+from scripts.tracker_case import make_run
+
+logger = MLflowLogger(sys.argv[1], experiment_name="sigkill", log_every_n_steps=1, fallback_dir=sys.argv[2])
+
+def kill(handler):
+    logger.flush()  # steps 1..8 are in the store
+    print("TRACKER", logger._sender._process.pid, "RUN", logger.run_id, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+make_run([logger, AtStep(8, kill, accum=1)]).train(3, progress=False)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_tracker_process_ends_when_the_training_process_is_killed(tmp_path):
+    from helpers import REPO, pids_alive, run_command
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "train.py").write_text(KILLED_MID_RUN)
+    # The tracker's process writes to the same stderr: the output ends only when it has exited too.
+    result = run_command([sys.executable, str(tmp_path / "train.py"), db, str(tmp_path)], timeout=150,
+                         env={"PYTHONPATH": str(REPO / "tests")}, cwd=tmp_path)
+    assert result.returncode == -signal.SIGKILL, result.stdout
+    [(pid, run_id)] = [(int(line.split()[1]), line.split()[3]) for line in result.stdout.splitlines()
+                       if line.startswith("TRACKER")]
+    assert pids_alive([pid]) == []
+    series = metric_series(MlflowClient(db), run_id)
+    assert [s for s, _ in series["step/train_loss"]] == list(range(1, 9))
+    assert MlflowClient(db).get_run(run_id).info.status == "RUNNING"  # no end was logged: none happened
+    assert list(tmp_path.glob("mlflow-unsent-*")) == []

@@ -278,10 +278,14 @@ def test_the_worker_child_imports_only_the_worker_its_transport_and_the_errors()
 
 
 def test_only_the_worker_pool_starts_processes():
-    """One engine: the launcher, the test helper and the CLI start their ranks through utils/_workers."""
+    """One engine: the launcher, the test helper and the CLI start their ranks through utils/_workers.
+
+    The one other process: a tracker's client (``_tracking/child.py``), no rank and no worker, a plain
+    interpreter that sends a logger's records.
+    """
     starts = []
     for path in PACKAGE.rglob("*.py"):
-        if _within(_module_name(path), [WORKERS]):
+        if _within(_module_name(path), [WORKERS]) or _module_name(path) == "nn_handler._tracking.child":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             func = getattr(node, "func", None) if isinstance(node, ast.Call) else None

@@ -110,30 +110,31 @@ def test_only_rank_0_logs(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_values_go_to_wandb_from_a_thread_of_their_own_gathered_between_sends(tmp_path, monkeypatch):
-    import threading
-
+def test_w_and_b_runs_in_a_process_of_its_own_that_ends_with_training(tmp_path, monkeypatch):
+    import wandb
+    from helpers import child_commands
     from wandb.sdk.wandb_run import Run
 
     from nn_handler.callbacks import Callback
 
-    events = []
+    calls, children = [], []
 
-    class Timeline(Callback):
+    def spy(name):
+        def call(*args, **kwargs):
+            calls.append(name)  # in this, the training process
+        return call
+
+    monkeypatch.setattr(Run, "log", spy("log"))
+    monkeypatch.setattr(wandb, "init", spy("init"))
+
+    class Children(Callback):
         def on_batch_end(self, handler, step, loss):
-            events.append(("batch", handler.global_step))
+            children.extend(child_commands())
 
-    log = Run.log
-
-    def spy(self, data, step=None, *args, **kwargs):
-        events.append(("log", step, threading.current_thread() is threading.main_thread()))
-        return log(self, data, step, *args, **kwargs)
-
-    monkeypatch.setattr(Run, "log", spy)
-    logger = WandbLogger(project="unit", dir=tmp_path, mode="offline", log_every_n_steps=1, send_every_s=3600.0)
-    make_run([Timeline(), logger]).train(1, progress=False)
-    # Nothing went to W&B within the training loop: the run's start went at once, the values at its end.
-    assert events == [("batch", s) for s in range(1, 13)] + [("log", s, False) for s in range(1, 13)] + [
-        ("log", 12, False)]  # the epoch's row
+    logger = WandbLogger(project="unit", dir=tmp_path, mode="offline", log_every_n_steps=1)
+    make_run([logger, Children()]).train(1, progress=False)
+    assert calls == []  # W&B's client never ran here
+    assert any("nn_handler._tracking.child" in c for c in children)  # it ran in a child
+    assert child_commands() == []  # which ended with train()
     [run_dir] = run_dirs(tmp_path)
     assert [s for s, _ in wandb_history([run_dir])["step/train_loss"]] == list(range(1, 13))
