@@ -14,8 +14,8 @@ does the client's state (``run_id``).
 
 The child never outlives training: it ends when :meth:`~ChildSender.close`
 tells it to, or when its stdin closes because the training process is gone
-(then it sends the rest within ``end_timeout_s`` and writes what is left to
-the fallback file). It ignores SIGINT and SIGTERM, which a terminal or a
+(then it ends the run as failed, ``TrainingProcessLost``, sends the rest
+within ``end_timeout_s`` and writes what is left to the fallback file). It ignores SIGINT and SIGTERM, which a terminal or a
 scheduler sends the whole process group: the training process decides when
 its tracker ends.
 
@@ -43,6 +43,7 @@ from .sender import Record, Sender, write_fallback
 
 log = logging.getLogger("nn_handler.loggers")
 
+LOST = "TrainingProcessLost"  # the failure of a run whose training process ended without ending it (SIGKILL)
 _START_S = 120.0  # how long a reply may wait beyond its own bound: the child's interpreter and client importing
 
 
@@ -212,15 +213,19 @@ def main() -> None:
             client.close()
         return len(unsent)
 
+    ended = False  # the run's end came
     while True:
         try:
             message = pickle.load(requests)
-        except (EOFError, OSError, pickle.UnpicklingError):  # the training process is gone
+        except (EOFError, OSError, pickle.UnpicklingError):  # the training process is gone, unannounced
+            if not ended:  # a killed run is not a finished one (W&B's teardown would record exit code 0)
+                sender.put({"kind": "end", "state": "failed", "failure": LOST, "time_ms": int(time.time() * 1000)})
             end(end_timeout_s)
             return
         kind = message[0]
         if kind == "records":
             for record in message[1]:
+                ended = ended or record["kind"] == "end"
                 sender.put(record)
         elif kind == "flush":
             reply(("reply", message[1], (sender.flush(message[2]), client.state())))

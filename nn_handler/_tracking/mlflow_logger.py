@@ -37,7 +37,9 @@ class MLflowLogger(TrackerLogger):
       batch size, ``grad_accum_steps``, ``amp``, world size, ...) and ``hparams``.
     - The end: status ``FINISHED``, ``FAILED`` (the exception's type in the
       ``failure`` tag) or ``KILLED`` for a preemption, with the ``end_state``
-      tag ``finished``, ``failed`` or ``preempted``.
+      tag ``finished``, ``failed`` or ``preempted``. A training process
+      killed outright (SIGKILL, the OOM killer) ends it ``FAILED``, its
+      ``failure`` ``TrainingProcessLost`` (not ``RUNNING`` for ever).
 
     The run id is in the callback's checkpoint state: a resumed handler
     (``resume="auto"``, ``load_checkpoint``) continues the same run from the

@@ -35,7 +35,9 @@ class WandbLogger(TrackerLogger):
     - The end: ``run.finish()`` with exit code 0 (finished), 1 (failed: the
       exception's type in the summary's ``failure``) or
       :data:`~nn_handler.PREEMPTED_EXIT_CODE` after ``mark_preempting()``
-      (preempted); the summary's ``end_state`` says which.
+      (preempted); the summary's ``end_state`` says which. A training
+      process killed outright (SIGKILL, the OOM killer) ends it failed, its
+      ``failure`` ``TrainingProcessLost``.
 
     The run id is in the callback's checkpoint state: a resumed handler
     continues the same W&B run (``resume="allow"``) from the checkpoint's step.

@@ -258,5 +258,7 @@ def test_the_tracker_process_ends_when_the_training_process_is_killed(tmp_path):
     assert pids_alive([pid]) == []
     series = metric_series(MlflowClient(db), run_id)
     assert [s for s, _ in series["step/train_loss"]] == list(range(1, 9))
-    assert MlflowClient(db).get_run(run_id).info.status == "RUNNING"  # no end was logged: none happened
+    run = MlflowClient(db).get_run(run_id)
+    assert (run.info.status, run.data.tags["end_state"], run.data.tags["failure"]) == (
+        "FAILED", "failed", "TrainingProcessLost")  # not left RUNNING, nor marked finished
     assert list(tmp_path.glob("mlflow-unsent-*")) == []

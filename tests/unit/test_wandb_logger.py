@@ -138,3 +138,39 @@ def test_w_and_b_runs_in_a_process_of_its_own_that_ends_with_training(tmp_path, 
     assert child_commands() == []  # which ended with train()
     [run_dir] = run_dirs(tmp_path)
     assert [s for s, _ in wandb_history([run_dir])["step/train_loss"]] == list(range(1, 13))
+
+
+KILLED_MID_RUN = """
+import os, signal, sys
+from nn_handler.loggers import WandbLogger
+from scripts.scale_case import AtStep
+from scripts.tracker_case import make_run
+
+logger = WandbLogger(project="unit", dir=sys.argv[1], mode="offline", log_every_n_steps=1)
+
+def kill(handler):
+    logger.flush()  # steps 1..8 are in W&B's hands
+    print("TRACKER", logger._sender._process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+make_run([logger, AtStep(8, kill, accum=1)]).train(3, progress=False)
+"""
+
+
+def test_a_killed_training_process_s_run_ends_failed_not_finished_and_its_process_exits(tmp_path):
+    import signal
+    import sys
+
+    from helpers import REPO, pids_alive, run_command
+
+    (tmp_path / "train.py").write_text(KILLED_MID_RUN)
+    # The tracker's process writes to the same stderr: the output ends only when it has exited too.
+    result = run_command([sys.executable, str(tmp_path / "train.py"), str(tmp_path)], timeout=150,
+                         env={"PYTHONPATH": str(REPO / "tests")}, cwd=tmp_path)
+    assert result.returncode == -signal.SIGKILL, result.stdout
+    [pid] = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("TRACKER")]
+    assert pids_alive([pid]) == []
+    [run_dir] = run_dirs(tmp_path)
+    assert [s for s, _ in wandb_history([run_dir])["step/train_loss"]] == list(range(1, 9))
+    summary = wandb_updates(run_dir, "summary")
+    assert (summary["end_state"], summary["failure"], exit_code(run_dir)) == ("failed", "TrainingProcessLost", 1)
