@@ -3,8 +3,8 @@
 A tracker's client (MLflow's, W&B's) spends a few hundred microseconds of
 Python on every record it sends, all of it under the training process's GIL
 when it runs there, thread or not. :class:`ChildSender` runs the client in a
-fresh interpreter instead (``python -m nn_handler._tracking.child``; no CUDA,
-no fork of the training process) and gives the training process what
+fresh interpreter instead (``python -c "... from nn_handler._tracking.child
+import main; main()"``; no CUDA, no fork of the training process) and gives the training process what
 :class:`~.sender.Sender` gives it: :meth:`~ChildSender.put` is an append to a
 list, a thread of its own forwards what gathered every ``every_s`` seconds
 (one pipe write), and the child sends each batch at once, with the retries,
@@ -70,14 +70,18 @@ class ChildSender:
         self._answered = threading.Condition()
         self._write_lock = threading.Lock()
         self._alive = True
-        package_root = str(Path(__file__).resolve().parents[2])  # the child imports the same nn_handler
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self._process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, env=env, close_fds=True)
+        # The same nn_handler as here, found last (after the standard library: a site-packages put ahead of it
+        # on PYTHONPATH could shadow it).
+        package_root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.append({package_root!r}); from {__name__} import main; main()"
+        self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, close_fds=True)
         self._reader = threading.Thread(target=self._read, name=f"nn_handler tracker replies: {what}", daemon=True)
         self._reader.start()
-        self._message(("start", client, what, retry_s, end_timeout_s, None if fallback is None else str(fallback)))
+        try:
+            self._message(("start", client, what, retry_s, end_timeout_s, None if fallback is None else str(fallback)))
+        except OSError as exc:  # the process died at once: the forwarder warns, and close() writes the records down
+            log.warning("%s: the tracker's process did not start (%s); training goes on", what, exc)
         self._forwarder = Sender(self._forward, what, retry_s=retry_s, every_s=every_s)
 
     @property

@@ -262,3 +262,28 @@ def test_the_tracker_process_ends_when_the_training_process_is_killed(tmp_path):
     assert (run.info.status, run.data.tags["end_state"], run.data.tags["failure"]) == (
         "FAILED", "failed", "TrainingProcessLost")  # not left RUNNING, nor marked finished
     assert list(tmp_path.glob("mlflow-unsent-*")) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_tracker_process_that_dies_never_stops_training_and_what_it_missed_is_written_down(tmp_path, caplog):
+    import json
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLflowLogger(db, experiment_name="dies", log_every_n_steps=1, fallback_dir=tmp_path)
+
+    def kill(handler):
+        logger.flush()  # the run and steps 1..6 are in the store
+        logger._sender._process.kill()
+        logger._sender._process.wait()
+
+    with caplog.at_level(logging.WARNING, logger="nn_handler"):
+        history = make_run([logger, AtStep(6, kill, accum=1)]).train(3, progress=False)
+    assert len(history) == 3  # trained to the end
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("nn_handler.loggers")]
+    assert 1 <= len(warnings) <= 3, warnings
+    stored = [s for s, _ in metric_series(MlflowClient(db), logger.run_id)["step/train_loss"]]
+    [fallback] = tmp_path.glob(f"mlflow-unsent-{logger.run_id}-*.jsonl")
+    records = [json.loads(line) for line in fallback.read_text().splitlines()]
+    unsent = [r["step"] for r in records if r["kind"] == "metrics" and "step/train_loss" in r["values"]]
+    assert stored == list(range(1, 7)) and unsent == list(range(7, 37))
+    assert records[-1]["kind"] == "end" and records[-1]["state"] == "finished"
