@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,15 @@ def pids_alive(pids) -> list[int]:
         except OSError:
             pass
     return alive
+
+
+def wait_gone(pids, timeout: float = 30.0) -> list[int]:
+    """Wait until none of ``pids`` runs (a process closes its files a moment before it is gone); those still
+    running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids_alive(pids)
 
 
 def child_commands(pid: int | None = None) -> list[str]:

@@ -100,7 +100,7 @@ class ChildSender:
         reply = self._ask("flush", left, left)
         return bool(reply and reply[0])
 
-    def close(self, timeout_s: float | None, fallback: Path | None = None) -> int:
+    def close(self, timeout_s: float | None) -> int:
         """Send the rest within ``timeout_s`` (None: no bound) and end the child; the number of records unsent.
 
         The child writes what it could not send to the fallback file given when it started.

@@ -134,8 +134,9 @@ def test_w_and_b_runs_in_a_process_of_its_own_that_ends_with_training(tmp_path, 
     logger = WandbLogger(project="unit", dir=tmp_path, mode="offline", log_every_n_steps=1)
     make_run([logger, Children()]).train(1, progress=False)
     assert calls == []  # W&B's client never ran here
-    assert any("nn_handler._tracking.child" in c for c in children)  # it ran in a child
-    assert child_commands() == []  # which ended with train()
+    tracker = "nn_handler._tracking.child"  # (the test process may have other children: warm worker pools)
+    assert any(tracker in c for c in children)  # it ran in a child
+    assert [c for c in child_commands() if tracker in c] == []  # which ended with train()
     [run_dir] = run_dirs(tmp_path)
     assert [s for s, _ in wandb_history([run_dir])["step/train_loss"]] == list(range(1, 13))
 
@@ -161,7 +162,7 @@ def test_a_killed_training_process_s_run_ends_failed_not_finished_and_its_proces
     import signal
     import sys
 
-    from helpers import REPO, pids_alive, run_command
+    from helpers import REPO, run_command, wait_gone
 
     (tmp_path / "train.py").write_text(KILLED_MID_RUN)
     # The tracker's process writes to the same stderr: the output ends only when it has exited too.
@@ -169,7 +170,7 @@ def test_a_killed_training_process_s_run_ends_failed_not_finished_and_its_proces
                          env={"PYTHONPATH": str(REPO / "tests")}, cwd=tmp_path)
     assert result.returncode == -signal.SIGKILL, result.stdout
     [pid] = [int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("TRACKER")]
-    assert pids_alive([pid]) == []
+    assert wait_gone([pid]) == []  # it had closed its output already: exiting on its own
     [run_dir] = run_dirs(tmp_path)
     assert [s for s, _ in wandb_history([run_dir])["step/train_loss"]] == list(range(1, 9))
     summary = wandb_updates(run_dir, "summary")
