@@ -21,8 +21,10 @@ its tracker ends.
 
 A client is a picklable object with ``send(records)`` (sends and removes from
 the list's front what it sent; when it raises, what is left is sent again
-later) and ``state() -> dict``, and optionally ``close()`` (called in the
-child after the last send).
+later) and ``state() -> dict``, and optionally ``prepare()`` (called in the
+child before it reads any record: importing the tracker's package, so that
+the bounds on sending count network time, not an import) and ``close()``
+(called in the child after the last send).
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class ChildSender:
             self._process.kill()
             self._process.wait()
         self._reader.join(timeout=5.0)
+        if not self._reader.is_alive():  # the reader is done with the replies' pipe
+            self._process.stdout.close()
         return len(unsent) + (reply[0] if reply else 0)
 
     # --------------------------------------------------------------------- the pipe
@@ -199,6 +203,8 @@ def main() -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
     _, client, what, retry_s, end_timeout_s, fallback = pickle.load(requests)
+    if hasattr(client, "prepare"):
+        client.prepare()
 
     def send(records: list[Record]) -> None:
         try:

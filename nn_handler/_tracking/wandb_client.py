@@ -32,6 +32,9 @@ class WandbRun:
     def state(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
 
+    def prepare(self) -> None:
+        import wandb  # noqa: F401  (seconds of import, before any bound on sending starts)
+
     def send(self, records: list[Record]) -> None:
         while records:
             record = records[0]
