@@ -164,3 +164,16 @@ def check_ranks(results: list) -> list:
         if isinstance(r, BaseException):
             pytest.fail(f"rank {rank} raised {r!r}\n{getattr(r, 'remote_traceback', '')}")
     return results
+
+
+def needs(package: str, reason: str | None = None) -> pytest.MarkDecorator:
+    """Skips the tests it marks where ``package`` (a top-level name) is not installed, without importing it.
+
+    ``pytest.importorskip`` at a module's top imports the package when the module is collected, and every
+    pytest-xdist worker collects every module: seconds each for MLflow or Ray Train, paid by all four workers
+    for tests that run on one. Import the package where the tests use it.
+    """
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None,
+                              reason=reason or f"needs {package}: pip install -e '.[test]'")

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from helpers import run_command
+from helpers import needs, run_command
 
-pytest.importorskip("ray")
+pytestmark = needs("ray")
 
 
 def test_import_nn_handler_does_not_import_ray():

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_command
+from helpers import REPO, needs, run_command
 
-pytest.importorskip("ray.train.torch")
+pytestmark = needs("ray", "needs Ray Train: pip install 'ray[train]'")
 
 
 @pytest.mark.timeout(360)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_command
+from helpers import REPO, needs, run_command
 
-pytest.importorskip("mypy")
+pytestmark = needs("mypy")
 
 SCRIPT = REPO / "tests" / "scripts" / "typed_user.py"
 MYPY_CACHE = Path(tempfile.gettempdir()) / "nn_handler-mypy-cache"

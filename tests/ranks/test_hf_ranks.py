@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from helpers import check_ranks, needs
+from nn_handler.testing import run_distributed
+from scripts import hf_case as H
 
-from helpers import check_ranks  # noqa: E402
-from nn_handler.testing import run_distributed  # noqa: E402
-from scripts import hf_case as H  # noqa: E402
+pytestmark = needs("transformers")
 
 TIMEOUT = 240
 N, N_VAL, PER_RANK, EPOCHS = 24, 11, 4, 2  # 11 validation samples: rank 1's last one is padding

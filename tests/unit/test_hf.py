@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-pytest.importorskip("transformers")
+from helpers import needs
+from nn_handler import NNHandler
+from nn_handler.errors import ConfigurationError
+from scripts import hf_case as H
 
-from nn_handler import NNHandler  # noqa: E402
-from nn_handler.errors import ConfigurationError  # noqa: E402
-from scripts import hf_case as H  # noqa: E402
+pytestmark = needs("transformers")
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

@@ -19,22 +19,27 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install 'nn_handler[mlflow]'")
-from mlflow import MlflowClient  # noqa: E402
+from helpers import kill_group, needs
+from nn_handler import TrainingPreempted
+from nn_handler.loggers import MLflowLogger
+from scripts.scale_case import AtStep, raise_value_error, sigterm_to
+from scripts.tracker_case import Outputs, learning_series, make_run
 
-from helpers import kill_group  # noqa: E402
-from nn_handler import TrainingPreempted  # noqa: E402
-from nn_handler.loggers import MLflowLogger  # noqa: E402
-from scripts.scale_case import AtStep, raise_value_error, sigterm_to  # noqa: E402
-from scripts.tracker_case import Outputs, learning_series, make_run  # noqa: E402
-
-pytestmark = pytest.mark.slow  # MLflow's first use of a store migrates its tables (seconds); the server starts
+pytestmark = [needs("mlflow", "the mlflow extra is not installed: pip install 'nn_handler[mlflow]'"),
+              pytest.mark.slow]  # MLflow's first use of a store migrates its tables (seconds); the server starts
 
 EVERY = 2
 SERVER_START_S = 240  # the server's readiness deadline: two Python processes importing MLflow, on a loaded machine
 
 
-def metric_series(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+def MlflowClient(uri: str):
+    """``mlflow.MlflowClient(uri)``, imported on first use (see ``helpers.needs``)."""
+    import mlflow
+
+    return mlflow.MlflowClient(uri)
+
+
+def metric_series(client, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """``{key: [(step, value), ...]}`` of every metric of a run, in step order."""
     keys = client.get_run(run_id).data.metrics
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in keys}

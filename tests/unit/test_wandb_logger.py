@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install 'nn_handler[wandb]'")
-
-from nn_handler import PREEMPTED_EXIT_CODE  # noqa: E402
-from nn_handler.loggers import WandbLogger  # noqa: E402
-from scripts.scale_case import AtStep, raise_value_error  # noqa: E402
-from scripts.tracker_case import (  # noqa: E402
+from helpers import needs
+from nn_handler import PREEMPTED_EXIT_CODE
+from nn_handler.loggers import WandbLogger
+from scripts.scale_case import AtStep, raise_value_error
+from scripts.tracker_case import (
     Outputs,
     learning_series,
     make_run,
@@ -22,7 +21,8 @@ from scripts.tracker_case import (  # noqa: E402
     wandb_updates,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # every run starts W&B's service process
+pytestmark = [needs("wandb", "the wandb extra is not installed: pip install 'nn_handler[wandb]'"), pytest.mark.slow,
+              pytest.mark.timeout(240)]  # every run starts W&B's service process
 
 EVERY = 2
 
