@@ -204,7 +204,10 @@ def main() -> None:
     log.propagate = False
     _, client, what, retry_s, end_timeout_s, fallback = pickle.load(requests)
     if hasattr(client, "prepare"):
-        client.prepare()
+        try:
+            client.prepare()
+        except Exception as exc:  # the sends meet it again, with their retries, warnings and fallback file
+            log.warning("%s: %s: %s", what, type(exc).__name__, exc)
 
     def send(records: list[Record]) -> None:
         try:

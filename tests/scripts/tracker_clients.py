@@ -10,11 +10,13 @@ class FileClient:
     """Appends each record it is sent to a JSON-lines file; its first use takes ``import_s`` seconds, as a
     tracker package's import does (``prepare`` or the first ``send``, whichever comes first)."""
 
-    def __init__(self, path: str, import_s: float = 0.0):
-        self.path, self.import_s = path, import_s
+    def __init__(self, path: str, import_s: float = 0.0, prepare_fails: bool = False):
+        self.path, self.import_s, self.prepare_fails = path, import_s, prepare_fails
         self._imported = False
 
     def prepare(self) -> None:
+        if self.prepare_fails:
+            raise ImportError("no module named 'tracker' (a stand-in)")
         self._import()
 
     def _import(self) -> None:

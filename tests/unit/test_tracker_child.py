@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import warnings
 
 import pytest
@@ -48,3 +49,15 @@ def test_the_end_bound_counts_sending_not_the_client_s_import(tmp_path):
     assert sender.close(1.0) == 0
     assert [r["step"] for r in sent(path)] == [1, 2, 3, 4, 5]
     assert not list(tmp_path.glob("unsent-*"))
+
+
+def test_a_client_whose_prepare_fails_is_a_warning_and_its_records_are_still_sent(tmp_path, caplog):
+    path = tmp_path / "sent.jsonl"
+    with caplog.at_level(logging.WARNING, logger="nn_handler.loggers"):
+        sender = ChildSender(FileClient(str(path), prepare_fails=True), "stand-in tracker", every_s=0.0,
+                             end_timeout_s=30.0, fallback=None)
+        sender.put({"kind": "metrics", "step": 1})
+        assert sender.close(30.0) == 0
+    assert sent(path) == [{"kind": "metrics", "step": 1}]
+    assert [r.getMessage() for r in caplog.records] == [
+        "stand-in tracker: ImportError: no module named 'tracker' (a stand-in)"]
