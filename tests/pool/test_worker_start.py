@@ -429,10 +429,17 @@ _TABLE = """
                 except BlockingIOError:
                     out["ok"] = False
         elif case == "copy_left_running":
-            me = open("/proc/self/cmdline", "rb").read()
-            children = [p for p in os.listdir("/proc") if p.isdigit() and
-                        open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
-            out["ok"] = not [p for p in children if open(f"/proc/{p}/cmdline", "rb").read() == me]
+            def read(path, mode="r"):
+                try:
+                    with open(path, mode) as f:
+                        return f.read()
+                except OSError:  # the process ended between the listing and the read
+                    return None
+
+            me = read("/proc/self/cmdline", "rb")
+            stats = {p: read(f"/proc/{p}/stat") for p in os.listdir("/proc") if p.isdigit()}
+            children = [p for p, stat in stats.items() if stat and stat.rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            out["ok"] = not [p for p in children if read(f"/proc/{p}/cmdline", "rb") == me]
         else:
             with ParallelExecutor(device_ids=["cpu"], timeout=30) as ex:
                 try:
