@@ -54,7 +54,8 @@ class MLflowLogger(TrackerLogger):
     start and end go at once); one warning says when sending fails and one
     when it works again, and unsent records are kept and sent again every few
     seconds. When training ends, that process has ``end_timeout_s`` seconds
-    to send the rest to a server; what is still unsent is written to
+    to send the rest to a server (counted once it has imported MLflow: a run
+    shorter than the import waits for it too); what is still unsent is written to
     ``<fallback_dir>/mlflow-unsent-<run id>-<pid>.jsonl``, one JSON record a
     line (``{"kind": "metrics", "step": ..., "values": {...}}``).
 
@@ -68,7 +69,8 @@ class MLflowLogger(TrackerLogger):
         hparams: Hyperparameters (str -> bool, int, float or str), logged once as parameters.
         log_every_n_steps: Per-step values every this many optimizer steps (>= 1).
         fallback_dir: Where unsent records are written when training ends.
-        end_timeout_s: How long the end of ``train()`` waits for records unsent to a server.
+        end_timeout_s: How long the end of ``train()`` waits for records unsent to a server, once the
+            tracker process has imported MLflow.
         send_every_s: Seconds at least between two sends to MLflow: the values of the steps logged
             meanwhile go in one call.
 

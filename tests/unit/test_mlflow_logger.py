@@ -185,7 +185,10 @@ def test_a_run_stopped_at_max_steps_and_resumed_is_one_run_whose_series_equal_th
 @pytest.mark.timeout(120)
 def test_a_server_down_at_start_costs_a_warning_and_the_records_go_to_the_fallback_file(tmp_path, caplog):
     down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    logger = MLflowLogger(down, experiment_name="down", log_every_n_steps=EVERY, fallback_dir=tmp_path)
+    # Within the 30 s: the tracker process's start (it imports MLflow before its bound on sending starts: about
+    # 12 s here with three busy loops beside the test on 2 cores) and the 2 s it has to send once training ended.
+    logger = MLflowLogger(down, experiment_name="down", log_every_n_steps=EVERY, fallback_dir=tmp_path,
+                          end_timeout_s=2)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="nn_handler"):
         history = make_run([logger]).train(2, progress=False)
