@@ -20,7 +20,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from helpers import pids_alive  # noqa: E402
+from helpers import pids_alive, wait_gone  # noqa: E402
 from nn_handler import (  # noqa: E402
     ParallelExecutionError,
     ParallelExecutor,
@@ -62,15 +62,7 @@ def executor(request, cluster):
         request.config._nn_handler_session_pids = getattr(request.config, "_nn_handler_session_pids", set()) | pids
     yield ex
     ex.shutdown()
-    assert not gone_soon(pids)
-
-
-def gone_soon(pids, within: float = 10) -> list[int]:
-    """The pids still alive after ``within`` seconds (Ray reaps a killed actor's process a moment later)."""
-    deadline = time.monotonic() + within
-    while pids_alive(list(pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids_alive(list(pids))
+    assert not wait_gone(list(pids), timeout=10)  # Ray reaps a killed actor's process a moment later
 
 
 @pytest.fixture(params=BACKENDS)
