@@ -170,6 +170,27 @@ def pytest_configure(config):
         _compile_site_packages_if_pip_did_not()
         for folder in ("nn_handler", "tests", "examples"):
             compileall.compile_dir(REPO / folder, quiet=1)
+    _preload_dynamo_in_this_process_s_worker_server()
+
+
+def _preload_dynamo_in_this_process_s_worker_server() -> None:
+    """Have the worker server of this pytest process import ``torch._dynamo`` once, for every rank it forks.
+
+    torch imports ``torch._dynamo`` (with sympy and FSDP) the first time an optimizer is made: about 3 s of CPU,
+    as much as ``import torch``, in every rank and worker that trains. The suite's processes fork some hundred
+    of them from their server; imported there once, each fork has it. The module is torch's own and would be
+    imported by the same ranks anyway; nothing of the caller reaches a worker. Only here, in the test processes
+    (a script that a test starts has a server of its own, as a user's has), and only without CUDA: a module
+    imported in the server is in every worker, and this one is not checked there for initialising CUDA.
+    """
+    if os.environ.get("NN_HANDLER_TEST_NO_PRELOAD"):
+        return
+    import torch
+
+    from nn_handler.utils._workers import server
+
+    if not torch.cuda.is_available() and "torch._dynamo" not in server.PRELOAD:
+        server.PRELOAD = [*server.PRELOAD, "torch._dynamo"]
 
 
 def _compile_site_packages_if_pip_did_not() -> None:
