@@ -129,27 +129,8 @@ def run_and_kill_half_way(args, n: int) -> int:
     return items_on_disk(args.out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=300)
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=2048, help="token budget per batch")
-    parser.add_argument("--devices", nargs="+", default=None,
-                        help="device ids (all GPUs by default; 2 CPU workers without CUDA)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (a temporary one by default)")
-    parser.add_argument("--fasta", type=Path, default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.devices is None:
-        args.devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else ["cpu", "cpu"]
-    args.devices = [int(d) if str(d).isdigit() else d for d in args.devices]
-    if args.child:
-        embed(args)
-        return
-
-    work = Path(tempfile.mkdtemp(prefix="embed_sequences-"))
-    args.fasta = work / "sequences.fasta"
-    args.out = args.out or work / "embeddings"
+def embed_kill_resume_and_check(args) -> None:
+    """Steps 1 to 4 of the module's docstring, in ``args.fasta`` and ``args.out``."""
     lengths = write_fasta(args.fasta, args.sequences, args.max_length)
     print(f"wrote {len(lengths)} sequences to {args.fasta} (lengths {min(lengths)}..{max(lengths)}, median "
           f"{sorted(lengths)[len(lengths) // 2]})", flush=True)
@@ -174,6 +155,32 @@ def main() -> None:
             same &= torch.allclose(pooled[i], out["pooled"][0], atol=1e-5)
     print(f"pooled {tuple(pooled.shape)}, per residue (length, 32) each; equal to a plain loop, one sequence at a "
           f"time: {bool(same)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=300)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=2048, help="token budget per batch")
+    parser.add_argument("--devices", nargs="+", default=None,
+                        help="device ids (all GPUs by default; 2 CPU workers without CUDA)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory, kept (by default a temporary one, removed at the end)")
+    parser.add_argument("--fasta", type=Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.devices is None:
+        args.devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else ["cpu", "cpu"]
+    args.devices = [int(d) if str(d).isdigit() else d for d in args.devices]
+    if args.child:
+        embed(args)
+        return
+
+    # The FASTA file (and the embeddings, without --out) live in a temporary directory, removed at the end.
+    with tempfile.TemporaryDirectory(prefix="embed_sequences-") as work:
+        args.fasta = Path(work) / "sequences.fasta"
+        args.out = args.out or Path(work) / "embeddings"
+        embed_kill_resume_and_check(args)
 
 
 if __name__ == "__main__":

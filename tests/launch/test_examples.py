@@ -151,11 +151,13 @@ def test_predict():
                      out), out
 
 
-def test_embed_sequences():
+def test_embed_sequences(tmp_path):
     pytest.importorskip("transformers")
     # One CPU worker and 40 sequences: each process that builds the model imports transformers (seconds each),
     # the check runs a sequence at a time, and the run is killed and resumed the same way as a larger one.
-    out = run_example("embed_sequences.py", "--sequences", "40", "--max-length", "256", "--devices", "cpu")
+    out = run_example("embed_sequences.py", "--sequences", "40", "--max-length", "256", "--devices", "cpu",
+                      env={"TMPDIR": str(tmp_path)})
+    assert not list(tmp_path.glob("embed_sequences-*")), "the example left its temporary directory behind"
     killed = re.search(r"^killed the run with (\d+) of 40 items on disk", out, re.M)
     assert killed and int(killed[1]) >= 20, out
     if int(killed[1]) < 40:  # killed before the end (nearly always): the rerun said what it resumed
