@@ -223,10 +223,13 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
     except BaseException as exc:
         bar.close() if isinstance(bar, _NoBar) else _progress.close(bar, f"failed: {type(exc).__name__}")
         raise
-    failed = None if run.failure is None else f"failed at {describe(run.failure[0].indices)}"
+    failed = (f"failed at {describe(run.failure[0].indices)}" if run.failure is not None
+              else "failed: list outputs per item for some batches only" if run.mixed is not None else None)
     bar.close() if isinstance(bar, _NoBar) else _progress.close(bar, failed)
     if run.failure is not None:
         raise run.error()
+    if run.mixed is not None:
+        raise run.mixed
     n_items = source.n_items if source.n_items is not None else source.read
     if n_items == 0:
         raise ConfigurationError("data is empty: the iterable yielded no sample")
@@ -298,13 +301,15 @@ class _Run:
         self.store, self.on_error, self.name = store, on_error, name
         self.parts: list[tuple[list[int], Any, bool]] = []
         self.failure: tuple[Batch, BaseException] | None = None
+        self.per_item: dict[bool, list[int]] = {}  # per-item list or not -> the indices of the first such batch
+        self.mixed: TypeError | None = None  # the model's list outputs are per item for some batches only
 
     def drive(self, executor: ParallelExecutor, token: str, batches: Iterator[Batch], bar) -> None:
         limit = IN_FLIGHT_PER_DEVICE * executor.num_workers
         pending: dict[concurrent.futures.Future, tuple[Batch, int]] = {}
         try:
             while True:
-                while self.failure is None and len(pending) < limit:
+                while self.failure is None and self.mixed is None and len(pending) < limit:
                     batch = next(batches, None)
                     if batch is None:
                         break
@@ -326,6 +331,7 @@ class _Run:
                         self._failed(batch, exc)
                         continue
                     for indices, out, per_item in parts:
+                        self._check_per_item(indices, per_item)
                         if self.store is None:
                             self.parts.append((indices, out, per_item))
                         bar.update(len(indices))
@@ -334,6 +340,23 @@ class _Run:
             # its shards are written) before the executor shuts down; nothing of theirs is read any more.
             for future in pending:
                 future.cancel()
+
+    def _check_per_item(self, indices: list[int], per_item: bool) -> None:
+        """Stop the run once a list output was one output per item for one batch and not for another.
+
+        A ``list`` as long as its batch is read as one output per item (:func:`per_item_list`): a model that
+        returns a list of several batched outputs is read so only for the batches whose size is the list's
+        length, and those items would get another batch's outputs, quietly (on disk) or as an error at the end.
+        """
+        self.per_item.setdefault(per_item, indices)
+        if len(self.per_item) == 2 and self.mixed is None:
+            where = "" if self.store is None else (f"; the shards written to {self.store.output_dir} may be nested "
+                                                  f"either way: pass overwrite=True when you run it again")
+            self.mixed = TypeError(
+                f"{self.name}: the model returned a list as long as its batch (read as one output per item) for "
+                f"the batch of {describe(self.per_item[True])}, and not for the batch of "
+                f"{describe(self.per_item[False])}; return several batched outputs as a tuple or a dict, and a "
+                f"list only with one output per item{where}")
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         if self.on_error == "skip":
@@ -361,10 +384,7 @@ def assemble(parts: list[tuple[list[int], Any, bool]], padding_value: float) -> 
     and anything else is a list, one entry per batch (in the order of each batch's first item).
     """
     parts = sorted(parts, key=lambda part: min(part[0]))
-    if any(per_item for _, _, per_item in parts):
-        if not all(per_item for _, _, per_item in parts):
-            raise TypeError("the model returned a list of one output per item for some batches and not for others; "
-                            "return per-item outputs as a list, several batched outputs as a tuple")
+    if any(per_item for _, _, per_item in parts):  # then every part is (the run stops otherwise: _check_per_item)
         out: list = [None] * (max(i for indices, _, _ in parts for i in indices) + 1)
         for indices, items, _ in parts:
             for i, item in zip(indices, items):

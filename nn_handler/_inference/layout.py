@@ -137,15 +137,16 @@ def shard_files(output_dir: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(output_dir) if _SHARD.fullmatch(e.name))
 
 
-def scan_shards(output_dir: str | os.PathLike) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """``([(shard name, its item indices)], [names of unreadable shards])``: reads each shard's index list only."""
+def scan_shards(output_dir: str | os.PathLike) -> tuple[list[tuple[str, torch.Tensor, str]], list[str]]:
+    """``([(shard name, its item indices, its outputs' structure as JSON text)], [names of unreadable shards])``:
+    reads each shard's header and index list only."""
     found, unreadable = [], []
     for name in shard_files(Path(output_dir)):
         try:
             with safe_open(str(Path(output_dir) / name), framework="pt") as f:
                 # A copy: the tensor safetensors returns keeps the whole file's bytes alive (all shards' outputs
                 # held at once in the caller otherwise).
-                found.append((name, f.get_tensor(INDICES_KEY).clone()))
+                found.append((name, f.get_tensor(INDICES_KEY).clone(), f.metadata()["structure"]))
         except Exception:  # a truncated or foreign file: safetensors raises its own error types
             unreadable.append(name)
     return found, unreadable

@@ -86,9 +86,9 @@ class Predictions(collections.abc.Sequence):
                 raise PredictionsError(f"{d}: shards {unreadable} cannot be read (damaged?); run the same "
                                        f"parallel_predict call again to compute their items")
             shard_of = torch.full((n,), -1, dtype=torch.int32)
-            for number, (_, idx) in enumerate(found):
+            for number, (_, idx, _) in enumerate(found):
                 shard_of[idx[idx < n]] = number
-            indexed = [name for name, _ in found], shard_of
+            indexed = [name for name, _, _ in found], shard_of
         return cls(d, manifest, *indexed)
 
     @property

@@ -186,11 +186,11 @@ class ShardStore:
             self._manifest["complete"] = False
             self._save()
         n = self._manifest["n_items"]
-        last = max((int(idx.max()) for _, idx in found if len(idx)), default=-1)
+        last = max((int(idx.max()) for _, idx, _ in found if len(idx)), default=-1)
         if n is not None and last >= n:
             raise PredictionsError(f"{self.output_dir}: a shard holds item {last}, but the run has {n} items")
         mask = torch.zeros(n if n is not None else last + 1, dtype=torch.bool)
-        for _, idx in found:
+        for _, idx, _ in found:
             mask[idx] = True
         return mask
 
@@ -221,7 +221,8 @@ class ShardStore:
         self._manifest["n_items"] = n_items
         found, unreadable = scan_shards(self.output_dir)
         shard_of = torch.full((n_items,), -1, dtype=torch.int32)
-        for number, (_, idx) in enumerate(found):
+        _check_one_structure(self.output_dir, found)
+        for number, (_, idx, _) in enumerate(found):
             if len(idx) and int(idx.max()) >= n_items:
                 raise PredictionsError(f"{self.output_dir}: a shard holds item {int(idx.max())}, this run's input had "
                                        f"{n_items} items: other data; use another output_dir, or pass overwrite=True "
@@ -235,7 +236,7 @@ class ShardStore:
             raise PredictionsError(f"{self.output_dir}: {missing} of {n_items} items have neither an output on disk "
                                    f"nor a recorded failure (unreadable shards: {unreadable or 'none'}); run the "
                                    f"same call again to compute them")
-        write_index(self.output_dir, [name for name, _ in found], shard_of)
+        write_index(self.output_dir, [name for name, _, _ in found], shard_of)
         self._manifest["complete"] = True
         self._save()
         return Predictions.open(self.output_dir)
@@ -244,6 +245,25 @@ class ShardStore:
         self._manifest["updated"] = _now()
         text = (json.dumps(self._manifest, indent=2) + "\n").encode()
         atomic_write(self.output_dir / MANIFEST, lambda f: f.write(text))
+
+
+def _check_one_structure(output_dir: Path, found: list[tuple[str, torch.Tensor, str]]) -> None:
+    """Every shard's outputs are nested alike, or a PredictionsError: items must not read back in two forms.
+
+    They differ when the model's outputs changed from batch to batch: a ``list`` as long as a batch is read as one
+    output per item, so a list of several batched outputs is split per item only for the batches of its length;
+    or when a resumed run's model returns another structure than the run that wrote the first shards.
+    """
+    shards: dict[str, list[str]] = {}
+    for name, _, structure in found:
+        shards.setdefault(structure, []).append(name)
+    if len(shards) > 1:
+        forms = "; ".join(f"{structure} in {len(names)} shard(s) such as {names[0]}"
+                          for structure, names in shards.items())
+        raise PredictionsError(f"{output_dir}: the items' outputs are nested in {len(shards)} ways ({forms}): the "
+                               f"model's outputs changed from batch to batch or from run to run (a list as long as "
+                               f"its batch is read as one output per item: return several batched outputs as a tuple "
+                               f"or a dict); pass overwrite=True to delete these predictions and start over")
 
 
 def _now() -> str:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from helpers import REPO, pids_alive
 from nn_handler import NNHandler, Predictions
 from nn_handler._padding import pad_concat
-from nn_handler.errors import ConfigurationError, ParallelExecutionError
+from nn_handler.errors import ConfigurationError, ParallelExecutionError, PredictionsError
 from nn_handler.utils.parallel import parallel_predict
 from scripts.promises_case import LENGTHS, Tagger, pad_each_batch, token_samples
 
@@ -80,6 +80,36 @@ def test_a_list_of_per_sample_outputs_is_one_output_per_input_in_input_order():
     assert isinstance(out, list) and len(out) == 10
     for i, item in enumerate(out):
         torch.testing.assert_close(item, PerSample()(x[i:i + 1])[0])
+
+
+class TwoBatchedOutputs(nn.Module):
+    """Two batched outputs in a list: a list as long as its batch is read as one output per item."""
+
+    def __init__(self, container=list):
+        super().__init__()
+        self.container = container
+
+    def forward(self, x):
+        return self.container([x * 2, x + 1])
+
+
+def test_a_list_of_batched_outputs_read_per_item_for_some_batches_only_stops_the_run(tmp_path):
+    x = torch.arange(10.0).reshape(5, 2)  # batch_size=2: batches of 2, 2 and 1; the list of 2 is per item for two
+    with pytest.raises(TypeError, match="for the batch of items [02]-[13], and not for the batch of item 4; return "
+                                        "several batched outputs as a tuple or a dict") as info:
+        parallel_predict(TwoBatchedOutputs(), x, batch_size=2, output_dir=tmp_path, device_ids=CPUS)
+    assert "overwrite=True" in str(info.value)
+    with pytest.raises(TypeError, match="as a tuple or a dict"):  # in memory: the same error
+        parallel_predict(TwoBatchedOutputs(), x, batch_size=2, device_ids=CPUS)
+    # Every item is on disk, nested two ways: the same call with the model mended is refused, not read back mixed.
+    mended = TwoBatchedOutputs(container=tuple)
+    with pytest.raises(PredictionsError, match="nested in 2 ways .* pass overwrite=True"):
+        parallel_predict(mended, x, batch_size=2, output_dir=tmp_path, device_ids=CPUS)
+    preds = parallel_predict(mended, x, batch_size=2, output_dir=tmp_path, overwrite=True, device_ids=CPUS)
+    assert len(preds) == 5
+    for i, item in enumerate(preds):
+        assert isinstance(item, tuple)
+        torch.testing.assert_close(item, (x[i] * 2, x[i] + 1))
 
 
 # --- 3. token budgets ----------------------------------------------------------------------------

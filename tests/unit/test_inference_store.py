@@ -143,6 +143,22 @@ def test_a_rerun_of_a_batch_replaces_its_shard(tmp_path):
     assert len(list(tmp_path.glob("shard-*"))) == 1 and store.done_count() == 2
 
 
+def test_outputs_nested_in_two_ways_are_refused_at_the_end_with_the_way_out(tmp_path):
+    # What a model that returns a list of two batched outputs leaves: its batches of two items were read as one
+    # output per item (a tensor each), the others' items as a list of two tensors.
+    store = _store(tmp_path)
+    _write_all(tmp_path, [[0, 1]], lambda i: torch.full((2,), float(i)))
+    _write_all(tmp_path, [[2, 3, 4], [5]], lambda i: [torch.ones(2) * i, torch.zeros(2)])
+    with pytest.raises(PredictionsError) as info:
+        store.finish(6)
+    message = str(info.value)
+    assert str(tmp_path) in message and "nested in 2 ways" in message and "shard-000000000000-2" in message
+    assert "tuple or a dict" in message and "overwrite=True" in message
+    with pytest.raises(PredictionsError, match="incomplete"):
+        Predictions.open(tmp_path)
+    assert _store(tmp_path, overwrite=True).done_count() == 0
+
+
 def test_an_iterable_run_knows_its_length_at_the_end(tmp_path):
     store = _store(tmp_path, identity={"n_items": None, "fingerprint": "gen"})
     assert store.done_mask().tolist() == []
