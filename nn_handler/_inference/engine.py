@@ -27,6 +27,7 @@ import dataclasses
 import inspect
 import os
 import sys
+import traceback
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,6 +41,7 @@ from .._tree import apply, combine, detach_cpu, to_device
 from ..errors import ConfigurationError, WorkerDiedError
 from ..utils._workers.executor import ParallelExecutor
 from .batching import Batch, describe, fixed_batches, token_batches
+from .layout import shard_name
 from .sources import Source, fingerprint
 from .store import ShardStore, write_shard
 
@@ -82,7 +84,8 @@ def start_worker(token: str, model_or_factory, is_factory: bool, settings: Setti
 def run_batch(token: str, batch: Batch, device: torch.device) -> list[tuple[list[int], Any, bool]]:
     """Run one batch: ``[(indices, outputs or None once written, whether outputs is a list per item)]``.
 
-    A batch of several items that runs out of device memory is run once more as two halves (two parts back).
+    A batch of several items that runs out of device memory is run once more as two halves (two parts back),
+    each on its own: when one fails again, the other's outputs are kept (written) before its error is raised.
     """
     state = _WORKERS[token]
     try:
@@ -93,7 +96,16 @@ def run_batch(token: str, batch: Batch, device: torch.device) -> list[tuple[list
     # Out of the except block: the exception's traceback holds the failed forward's activations.
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return [_finish(state["settings"], half, *_forward(state, half, device)) for half in batch.halves()]
+    parts, error = [], None
+    for half in batch.halves():  # each half runs, so a half that fails loses the other nothing (it is written)
+        try:
+            parts.append(_finish(state["settings"], half, *_forward(state, half, device)))
+        except Exception as exc:
+            traceback.clear_frames(exc.__traceback__)  # its lines stay for the report; its tensors go
+            error = error or exc
+    if error is not None:
+        raise error
+    return parts
 
 
 def _forward(state: dict, batch: Batch, device: torch.device) -> tuple[Any, bool]:
@@ -363,9 +375,18 @@ class _Run:
             text = f"{type(exc).__name__}: {exc}"
             if exc.__cause__ is not None:
                 text += f"\n{exc.__cause__}"
-            self.store.record_failure(batch.indices, text)
+            self.store.record_failure(self._not_written(batch), text)
         elif self.failure is None:
             self.failure = (batch, exc)
+
+    def _not_written(self, batch: Batch) -> list[int]:
+        """The failed batch's items without an output on disk: after an out-of-memory split, a half that ran is."""
+        if len(batch) < 2:
+            return batch.indices
+        # A half's shard is named by its first item, which no other batch holds: its file is that half's outputs.
+        written = {i for half in batch.halves() if (self.store.output_dir / shard_name(half.indices)).exists()
+                   for i in half.indices}
+        return [i for i in batch.indices if i not in written]
 
     def error(self) -> BaseException:
         batch, exc = self.failure
