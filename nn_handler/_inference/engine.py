@@ -235,8 +235,11 @@ def predict(payload, is_factory: bool, source: Source, *, batch_size: int | None
     except BaseException as exc:
         bar.close() if isinstance(bar, _NoBar) else _progress.close(bar, f"failed: {type(exc).__name__}")
         raise
-    failed = (f"failed at {describe(run.failure[0].indices)}" if run.failure is not None
-              else "failed: list outputs per item for some batches only" if run.mixed is not None else None)
+    failed = None
+    if run.failure is not None:
+        failed = f"failed at {describe(run.failure[0].indices)}"
+    elif run.mixed is not None:
+        failed = "failed: list outputs per item for some batches only"
     bar.close() if isinstance(bar, _NoBar) else _progress.close(bar, failed)
     if run.failure is not None:
         raise run.error()
